@@ -1,0 +1,100 @@
+"""Parquet input with the same raw-batch schema as `CriteoReader`.
+
+Units are (file, row group), dealt round-robin to shards; each row group is
+streamed in record batches, so memory stays bounded by the row-group reads.
+Numeric columns are cast to float32; categorical columns of any type reach
+`forward` as bytes (integers are written in decimal).
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from deeprec.data.criteo import CRITEO_COLUMNS
+from deeprec.data.reader import BatchReader, ColumnSpec, resolve_paths
+from deeprec.errors import DataError
+
+READ_ROWS = 65536
+
+
+class ParquetReader(BatchReader):
+    """Streaming Parquet reader; same arguments and batches as `CriteoReader`."""
+
+    def __init__(self, paths, batch_size: int, *, columns: ColumnSpec = CRITEO_COLUMNS, **kwargs):
+        super().__init__(resolve_paths(paths), batch_size, columns, **kwargs)
+        self._row_groups = {}
+        for path in self.paths:
+            try:
+                meta = pq.ParquetFile(path).metadata
+            except (pa.ArrowInvalid, OSError) as err:
+                raise DataError(f"not a readable Parquet file ({err})", path) from err
+            names = set(meta.schema.names)
+            missing = [c for c in columns.names if c not in names]
+            if missing:
+                raise DataError(f"missing column(s) {', '.join(missing)}", path)
+            starts = np.concatenate([[0], np.cumsum([meta.row_group(i).num_rows
+                                                     for i in range(meta.num_row_groups)])])
+            self._row_groups[path] = starts
+
+    def _all_units(self) -> list:
+        return [(path, group) for path in self.paths for group in range(len(self._row_groups[path]) - 1)]
+
+    def _read_unit(self, unit) -> Iterator[pa.Table]:
+        path, group = unit
+        first_row = int(self._row_groups[path][group])
+        reader = pq.ParquetFile(path)
+        batches = reader.iter_batches(batch_size=READ_ROWS, row_groups=[group],
+                                      columns=list(self.columns.names), use_threads=False)
+        for batch in batches:
+            yield self._conform(path, first_row, pa.Table.from_batches([batch]))
+            first_row += batch.num_rows
+
+    def _conform(self, path: str, first_row: int, table: pa.Table) -> pa.Table:
+        columns = {}
+        for name in self.columns.labels + self.columns.dense:
+            try:
+                columns[name] = pc.cast(table.column(name), pa.float32())
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as err:
+                raise DataError(f"column {name} of type {table.column(name).type} is not numeric ({err})",
+                                path) from err
+        for name in self.columns.strings:
+            col = table.column(name)
+            if not (pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type)):
+                col = pc.cast(col, pa.string())
+            columns[name] = pc.fill_null(pc.cast(col, pa.binary()), b"")
+        table = pa.table(columns)
+        valid = None
+        for name in self.columns.labels:
+            label = table.column(name)
+            ok = pc.fill_null(pc.or_(pc.equal(label, 0.0), pc.equal(label, 1.0)), False)
+            valid = ok if valid is None else pc.and_(valid, ok)
+        if valid is not None and not pc.all(valid).as_py():
+            bad_rows = np.flatnonzero(~valid.to_numpy(zero_copy_only=False))
+            self._report(path, [(lambda r=int(r): first_row + r + 1,
+                                 "label must be 0 or 1 (line = 1-based row number in the file)")
+                                for r in bad_rows])
+            table = table.filter(valid)
+        return table
+
+
+def write_parquet(reader: BatchReader, path: str, row_group_rows: int = 100_000) -> int:
+    """Write every batch of `reader` to one Parquet file (strings as binary)."""
+    writer = None
+    rows = 0
+    try:
+        for batch in reader:
+            cols = {name: (pa.array(value.numpy()) if hasattr(value, "numpy")
+                           else pa.array(value, type=pa.binary())) for name, value in batch.items()}
+            table = pa.table(cols)
+            if writer is None:
+                writer = pq.ParquetWriter(path, table.schema)
+            writer.write_table(table, row_group_size=row_group_rows)
+            rows += table.num_rows
+    finally:
+        if writer is not None:
+            writer.close()
+    return rows

@@ -1,0 +1,228 @@
+"""Shared machinery of the batch readers: sharding units, shuffle, batching,
+bad-row policy, resumable position.
+
+    units of this shard --> read_unit (Arrow tables, valid rows only)
+        --> shuffle buffer (optional) --> re-batch to batch_size --> raw batch dict
+
+A subclass says which units exist (`_all_units`) and how to read one
+(`_read_unit`); everything else lives here, so every reader has the same
+exactly-once, determinism and error guarantees.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from deeprec.errors import ConfigError, DataError, check_choice
+
+log = logging.getLogger("deeprec.data")
+
+BAD_ROW_POLICIES = ("raise", "skip")
+MAX_LOGGED_BAD_ROWS = 5
+
+
+@dataclass
+class ReaderStats:
+    rows: int = 0  # valid rows yielded
+    batches: int = 0
+    bad_rows: int = 0
+    bad_row_examples: list = field(default_factory=list)  # "path:line: reason", first few
+
+
+@dataclass(frozen=True)
+class ColumnSpec:
+    """Which columns a raw batch holds and how each reaches `forward`."""
+
+    labels: tuple[str, ...]
+    dense: tuple[str, ...]  # float32 tensors, NaN for missing
+    strings: tuple[str, ...]  # numpy object arrays of bytes
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.labels + self.dense + self.strings
+
+
+class BatchReader:
+    """Base class; see `CriteoReader` and `ParquetReader`."""
+
+    def __init__(self, paths, batch_size: int, columns: ColumnSpec, *, shuffle_buffer: int = 0,
+                 seed: int = 0, num_epochs: int | None = 1, shard_index: int = 0,
+                 num_shards: int = 1, on_bad_row: str = "raise", drop_remainder: bool = False):
+        check_choice("on_bad_row", on_bad_row, BAD_ROW_POLICIES)
+        if isinstance(paths, (str, bytes)) or hasattr(paths, "__fspath__"):
+            paths = [paths]
+        self.paths = [str(p) for p in paths]
+        if not self.paths:
+            raise ConfigError("paths is empty: give at least one file")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"batch_size must be a positive int, got {batch_size!r}")
+        if num_shards < 1 or not 0 <= shard_index < num_shards:
+            raise ConfigError(f"shard_index must be in [0, num_shards={num_shards}), got {shard_index}")
+        if num_epochs is not None and num_epochs < 1:
+            raise ConfigError(f"num_epochs must be >= 1 or None (repeat forever), got {num_epochs}")
+        if shuffle_buffer < 0:
+            raise ConfigError(f"shuffle_buffer must be >= 0, got {shuffle_buffer}")
+        self.batch_size = batch_size
+        self.columns = columns
+        self.shuffle_buffer = shuffle_buffer
+        self.seed = seed
+        self.num_epochs = num_epochs
+        self.shard_index = shard_index
+        self.num_shards = num_shards
+        self.on_bad_row = on_bad_row
+        self.drop_remainder = drop_remainder
+        self.stats = ReaderStats()
+        self._epoch = 0
+        self._batches_in_epoch = 0
+
+    # -- subclass interface -------------------------------------------------
+    def _all_units(self) -> list:
+        """Every unit of work over all files, in a fixed order."""
+        raise NotImplementedError
+
+    def _shard_units(self) -> list:
+        """The units of this shard. Default: round-robin over `_all_units`."""
+        return self._all_units()[self.shard_index::self.num_shards]
+
+    def _read_unit(self, unit) -> Iterator[pa.Table]:
+        """Valid rows of one unit as tables with columns `self.columns.names`."""
+        raise NotImplementedError
+
+    # -- bad rows -------------------------------------------------------------
+    def _report(self, path: str, problems: list) -> None:
+        """Apply the bad-row policy to one chunk's problems: (locate, reason)
+        pairs, where `locate()` finds the line lazily (it may rescan the file),
+        so it runs only when a line is reported."""
+        if self.on_bad_row == "raise":
+            line, reason = min((locate(), reason) for locate, reason in problems)
+            raise DataError(reason, path, line)
+        self.stats.bad_rows += len(problems)
+        room = MAX_LOGGED_BAD_ROWS - len(self.stats.bad_row_examples)
+        if room <= 0:
+            return
+        for line, reason in sorted((locate(), reason) for locate, reason in problems)[:room]:
+            example = f"{path}:{line}: {reason}"
+            self.stats.bad_row_examples.append(example)
+            log.warning("skipping bad row %s", example)
+        if len(self.stats.bad_row_examples) == MAX_LOGGED_BAD_ROWS:
+            log.warning("further bad rows are skipped and counted in reader.stats.bad_rows")
+
+    # -- position ---------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Position after the last batch yielded; restore with `load_state_dict`."""
+        return {"epoch": self._epoch, "batches": self._batches_in_epoch,
+                "fingerprint": self._fingerprint()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("fingerprint") != self._fingerprint():
+            raise ConfigError(
+                "reader state was saved with other reader settings "
+                f"(saved {state.get('fingerprint')}, now {self._fingerprint()}); "
+                "resume with the same paths, batch_size, seed, shuffle_buffer and sharding")
+        self._epoch = int(state["epoch"])
+        self._batches_in_epoch = int(state["batches"])
+
+    def _fingerprint(self) -> list:
+        return [self.paths, self.batch_size, self.seed, self.shuffle_buffer,
+                self.shard_index, self.num_shards, self.drop_remainder]
+
+    # -- iteration ---------------------------------------------------------------
+    def __iter__(self) -> Iterator[dict]:
+        """Yield raw batches from the current position to the last epoch.
+
+        Resuming replays the epoch's deterministic order and skips the batches
+        already consumed, so the stream continues exactly where it stopped.
+        """
+        while self.num_epochs is None or self._epoch < self.num_epochs:
+            skip = self._batches_in_epoch
+            rng = np.random.default_rng([self.seed, self._epoch, self.shard_index])
+            units = self._shard_units()
+            if self.shuffle_buffer > 0:
+                units = [units[i] for i in rng.permutation(len(units))]
+            tables = (t for unit in units for t in self._read_unit(unit) if t.num_rows)
+            if self.shuffle_buffer > 0:
+                tables = _shuffle(tables, self.shuffle_buffer, rng)
+            for table in _rebatch(tables, self.batch_size, self.drop_remainder):
+                if skip:
+                    skip -= 1
+                    continue
+                batch = self._to_batch(table)
+                self._batches_in_epoch += 1
+                self.stats.batches += 1
+                self.stats.rows += table.num_rows
+                yield batch
+            if skip:
+                raise ConfigError(f"reader state points past the end of epoch {self._epoch}")
+            self._epoch += 1
+            self._batches_in_epoch = 0
+
+    def _to_batch(self, table: pa.Table) -> dict:
+        batch = {}
+        for name in self.columns.labels + self.columns.dense:
+            arr = np.asarray(table.column(name).to_numpy(), dtype=np.float32)
+            batch[name] = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+        for name in self.columns.strings:
+            batch[name] = table.column(name).to_numpy()
+        return batch
+
+
+def _shuffle(tables: Iterator[pa.Table], size: int, rng: np.random.Generator) -> Iterator[pa.Table]:
+    """tf.data-style shuffle buffer, vectorized: every row emitted is drawn
+    uniformly from the `size` rows held plus the newly arrived ones."""
+    held = None
+    for table in tables:
+        held = table if held is None else pa.concat_tables([held, table])
+        if held.num_rows > size:
+            order = rng.permutation(held.num_rows)
+            n_out = held.num_rows - size
+            yield held.take(order[:n_out])
+            held = held.take(order[n_out:])
+    if held is not None and held.num_rows:
+        yield held.take(rng.permutation(held.num_rows))
+
+
+def _rebatch(tables: Iterator[pa.Table], batch_size: int, drop_remainder: bool) -> Iterator[pa.Table]:
+    pending: list[pa.Table] = []
+    pending_rows = 0
+    for table in tables:
+        pending.append(table)
+        pending_rows += table.num_rows
+        if pending_rows < batch_size:
+            continue
+        merged = pa.concat_tables(pending).combine_chunks()
+        start = 0
+        while merged.num_rows - start >= batch_size:
+            yield merged.slice(start, batch_size)
+            start += batch_size
+        pending = [merged.slice(start)]
+        pending_rows = merged.num_rows - start
+    if pending_rows and not drop_remainder:
+        yield pa.concat_tables(pending).combine_chunks()
+
+
+def resolve_paths(paths: Sequence[str] | str) -> list[str]:
+    """Expand directories and globs into a sorted list of files."""
+    import glob
+    import os
+
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    out: list[str] = []
+    for p in map(str, paths):
+        if os.path.isdir(p):
+            out.extend(sorted(os.path.join(p, f) for f in os.listdir(p) if not f.startswith(".")))
+        elif any(ch in p for ch in "*?["):
+            matched = sorted(glob.glob(p))
+            if not matched:
+                raise ConfigError(f"no file matches {p!r}")
+            out.extend(matched)
+        elif os.path.exists(p):
+            out.append(p)
+        else:
+            raise ConfigError(f"no such file: {p!r}")
+    return out

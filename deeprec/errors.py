@@ -1,0 +1,38 @@
+"""Exceptions raised by deeprec. Each names what went wrong and where."""
+
+
+class DeepRecError(Exception):
+    """Base class of every error deeprec raises on purpose."""
+
+
+class DataError(DeepRecError, ValueError):
+    """A row or file that cannot be read as the declared schema.
+
+    ``path`` and ``line`` (1-based physical line, or row index for Parquet)
+    locate the offending record when known.
+    """
+
+    def __init__(self, message: str, path: str | None = None, line: int | None = None):
+        where = ""
+        if path is not None:
+            where = f"{path}:{line}: " if line is not None else f"{path}: "
+        super().__init__(where + message)
+        self.path = path
+        self.line = line
+        self.reason = message
+
+
+class OutOfRangeError(DeepRecError):
+    """The input is exhausted (the seed's ``tf.errors.OutOfRangeError``)."""
+
+
+class ConfigError(DeepRecError, ValueError):
+    """An option with a value outside its allowed set or range."""
+
+
+def check_choice(option: str, value, allowed) -> None:
+    """Raise ConfigError naming the option and its allowed values."""
+    if value not in allowed:
+        raise ConfigError(
+            f"{option}={value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}"
+        )

@@ -1,0 +1,75 @@
+"""Feature ops for use inside a model's `forward` (each is one fx node).
+
+Raw batches carry categorical columns as numpy object arrays of `bytes`
+(TensorFlow's string convention; `str` is accepted too and hashes the same as
+its UTF-8 encoding) and dense columns as float32 tensors with NaN for missing.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from deeprec.errors import ConfigError
+from deeprec.ops.graph_op import is_op, is_stateful_op, op
+
+__all__ = [
+    "op", "is_op", "is_stateful_op", "string_to_hash_bucket", "hash64",
+    "fill_missing", "log_normalize", "bucketize",
+]
+
+
+def _as_object_array(col) -> np.ndarray:
+    if isinstance(col, np.ndarray) and col.dtype == object:
+        return col
+    if hasattr(col, "to_numpy") and not isinstance(col, (np.ndarray, torch.Tensor)):
+        return np.asarray(col.to_numpy(zero_copy_only=False), dtype=object)  # pyarrow array
+    return np.asarray(col, dtype=object)
+
+
+def hash64(col) -> np.ndarray:
+    """Stable 64-bit hash (pandas' SipHash-2-4 with its fixed key) of each string.
+
+    The value depends only on the bytes of the string: the same on every run,
+    process and machine. `str` values hash as their UTF-8 bytes.
+    """
+    values = _as_object_array(col)
+    return pd.util.hash_array(values, categorize=False)
+
+
+@op
+def string_to_hash_bucket(col, num_buckets: int) -> torch.Tensor:
+    """Hash raw strings into [0, num_buckets): int64 tensor of shape [B].
+
+    Same role as `tf.strings.to_hash_bucket_fast`; the hash is SipHash
+    (see `hash64`), not TF's FarmHash, so bucket ids differ from TF's.
+    """
+    if not isinstance(num_buckets, int) or num_buckets < 1:
+        raise ConfigError(f"num_buckets must be a positive int, got {num_buckets!r}")
+    buckets = hash64(col) % np.uint64(num_buckets)
+    return torch.from_numpy(buckets.astype(np.int64))
+
+
+@op
+def fill_missing(x: torch.Tensor, value: float = 0.0) -> torch.Tensor:
+    """Replace NaN (a missing dense value) by `value`."""
+    return torch.where(torch.isnan(x), torch.as_tensor(value, dtype=x.dtype), x)
+
+
+@op
+def log_normalize(x: torch.Tensor) -> torch.Tensor:
+    """log(1 + max(x, 0)): the usual squashing of Criteo's heavy-tailed counts."""
+    return torch.log1p(torch.clamp_min(x, 0.0))
+
+
+@op
+def bucketize(x: torch.Tensor, boundaries: Sequence[float]) -> torch.Tensor:
+    """Bucket ids like `tf.raw_ops.Bucketize`: boundaries [a, b] map
+    x < a -> 0, a <= x < b -> 1, x >= b -> 2. NaN maps to the last bucket;
+    fill missing values first if that is not wanted."""
+    bounds = torch.as_tensor(list(boundaries), dtype=x.dtype)
+    if bounds.numel() > 1 and not bool((bounds[1:] > bounds[:-1]).all()):
+        raise ConfigError(f"bucketize boundaries must be strictly increasing, got {list(boundaries)}")
+    return torch.bucketize(x, bounds, right=True)

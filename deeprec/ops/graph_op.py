@@ -1,0 +1,63 @@
+"""`@op`: make a function a single, opaque node when `forward` is traced.
+
+torch.fx traces through plain Python and fails on non-tensor work (hashing
+strings, numpy). A function decorated with `@op` is recorded as one
+`call_function` node instead, so graph passes can move it (e.g. SmartStage
+puts it in the background stage) without looking inside. Unlike
+`torch.fx.wrap`, this works however the function was imported.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch.fx
+
+__all__ = ["op", "is_op", "is_stateful_op"]
+
+
+def _first_proxy(value: Any) -> torch.fx.Proxy | None:
+    if isinstance(value, torch.fx.Proxy):
+        return value
+    if isinstance(value, (list, tuple)):
+        items = value
+    elif isinstance(value, dict):
+        items = value.values()
+    else:
+        return None
+    for item in items:
+        found = _first_proxy(item)
+        if found is not None:
+            return found
+    return None
+
+
+def op(fn: Callable | None = None, *, stateful: bool = False):
+    """Decorator: `@op` or `@op(stateful=True)`.
+
+    A stateful op (one that reads or writes state outside its arguments, such
+    as a counter or a lookup into a growing table) is never moved ahead of
+    the step that owns that state.
+    """
+
+    def decorate(func: Callable) -> Callable:
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            proxy = _first_proxy((args, kwargs))
+            if proxy is not None:
+                return proxy.tracer.create_proxy("call_function", wrapper, args, kwargs)
+            return func(*args, **kwargs)
+
+        wrapper.__deeprec_op__ = True
+        wrapper.__deeprec_stateful__ = stateful
+        return wrapper
+
+    return decorate(fn) if fn is not None else decorate
+
+
+def is_op(target: Any) -> bool:
+    return bool(getattr(target, "__deeprec_op__", False))
+
+
+def is_stateful_op(target: Any) -> bool:
+    return bool(getattr(target, "__deeprec_stateful__", False))
