@@ -110,6 +110,8 @@ class CriteoReader(BatchReader):
         self._layouts = {p: detect_layout(p) for p in self.paths}
 
     def _all_units(self) -> list:
+        # Each file is cut into num_shards byte ranges; range k is unit k of the file,
+        # so by the base class's round-robin rule it belongs to shard k.
         units = []
         for path in self.paths:
             layout = self._layouts[path]
@@ -118,10 +120,6 @@ class CriteoReader(BatchReader):
             bounds = [layout.data_start + body * k // self.num_shards for k in range(self.num_shards + 1)]
             units.extend((path, bounds[k], bounds[k + 1]) for k in range(self.num_shards))
         return units
-
-    def _shard_units(self) -> list:
-        # Units are (file, range) with range k of each file belonging to shard k.
-        return [u for i, u in enumerate(self._all_units()) if i % self.num_shards == self.shard_index]
 
     def _read_unit(self, unit) -> Iterator[pa.Table]:
         path, start, end = unit

@@ -61,8 +61,10 @@ class BatchReader:
             raise ConfigError("paths is empty: give at least one file")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size must be a positive int, got {batch_size!r}")
-        if num_shards < 1 or not 0 <= shard_index < num_shards:
-            raise ConfigError(f"shard_index must be in [0, num_shards={num_shards}), got {shard_index}")
+        shards = (shard_index,) if isinstance(shard_index, int) else tuple(sorted(set(shard_index)))
+        if num_shards < 1 or not shards or not all(0 <= s < num_shards for s in shards):
+            raise ConfigError(f"shard_index must be in [0, num_shards={num_shards}) (an int or a list "
+                              f"of them), got {shard_index!r}")
         if num_epochs is not None and num_epochs < 1:
             raise ConfigError(f"num_epochs must be >= 1 or None (repeat forever), got {num_epochs}")
         if shuffle_buffer < 0:
@@ -73,6 +75,7 @@ class BatchReader:
         self.seed = seed
         self.num_epochs = num_epochs
         self.shard_index = shard_index
+        self.shards = shards
         self.num_shards = num_shards
         self.on_bad_row = on_bad_row
         self.drop_remainder = drop_remainder
@@ -86,8 +89,8 @@ class BatchReader:
         raise NotImplementedError
 
     def _shard_units(self) -> list:
-        """The units of this shard. Default: round-robin over `_all_units`."""
-        return self._all_units()[self.shard_index::self.num_shards]
+        """The units of this reader's shards: unit i belongs to shard i % num_shards."""
+        return [u for i, u in enumerate(self._all_units()) if i % self.num_shards in self.shards]
 
     def _read_unit(self, unit) -> Iterator[pa.Table]:
         """Valid rows of one unit as tables with columns `self.columns.names`."""
@@ -129,7 +132,7 @@ class BatchReader:
 
     def _fingerprint(self) -> list:
         return [self.paths, self.batch_size, self.seed, self.shuffle_buffer,
-                self.shard_index, self.num_shards, self.drop_remainder]
+                list(self.shards), self.num_shards, self.drop_remainder]
 
     # -- iteration ---------------------------------------------------------------
     def __iter__(self) -> Iterator[dict]:
@@ -140,7 +143,7 @@ class BatchReader:
         """
         while self.num_epochs is None or self._epoch < self.num_epochs:
             skip = self._batches_in_epoch
-            rng = np.random.default_rng([self.seed, self._epoch, self.shard_index])
+            rng = np.random.default_rng([self.seed, self._epoch, *self.shards])
             units = self._shard_units()
             if self.shuffle_buffer > 0:
                 units = [units[i] for i in rng.permutation(len(units))]

@@ -1,0 +1,30 @@
+# From a fresh clone: `make run` or `make test` does all the setup itself.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test bench setup clean
+
+$(PY):
+	python3 -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/deeprec train --model dlrm --epochs 5 --batch-size 32
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) bench/ops_hash.py
+	$(PY) bench/baseline.py
+
+clean:
+	rm -rf $(VENV) *.egg-info

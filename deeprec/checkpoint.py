@@ -1,0 +1,56 @@
+"""Atomic checkpoints: written to a temp file, fsynced, then renamed into place.
+
+A crash mid-write leaves the previous checkpoint intact; a reader never sees a
+partial file. Files are `checkpoint-<step>.pt`; the highest step is the latest.
+"""
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+
+import torch
+
+_NAME = re.compile(r"^checkpoint-(\d+)\.pt$")
+
+
+def save_checkpoint(directory: str, step: int, state: dict, keep: int = 3) -> str:
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"checkpoint-{step:09d}.pt")
+    fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+    for old in list_checkpoints(directory)[:-keep]:
+        os.unlink(old)
+    return path
+
+
+def list_checkpoints(directory: str) -> list[str]:
+    """Complete checkpoints, oldest first."""
+    if not os.path.isdir(directory):
+        return []
+    found = sorted((int(m.group(1)), name) for name in os.listdir(directory) if (m := _NAME.match(name)))
+    return [os.path.join(directory, name) for _, name in found]
+
+
+def latest_checkpoint(directory: str) -> str | None:
+    found = list_checkpoints(directory)
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: str) -> dict:
+    # weights_only: a checkpoint holds tensors and plain containers; nothing is unpickled beyond that
+    return torch.load(path, map_location="cpu", weights_only=True)

@@ -1,0 +1,183 @@
+"""`deeprec` command line: train, evaluate, data synth, data convert."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from importlib import resources
+
+from rich.console import Console
+from rich.table import Table
+
+from deeprec.errors import DeepRecError
+from deeprec.models import MODELS
+from deeprec.optim import OPTIMIZERS
+
+SAMPLE = "criteo_sample.txt"
+
+
+def sample_path() -> str:
+    """The real 200-row Criteo sample shipped inside the package."""
+    return str(resources.files("deeprec.data").joinpath("samples", SAMPLE))
+
+
+def synthetic_files(rows: int, cardinalities: str, seed: int, console: Console) -> tuple[str, str]:
+    """Train and eval files of synthetic data, generated once into a cache folder."""
+    from deeprec.data import write_synthetic
+
+    cache = os.environ.get("DEEPREC_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "deeprec"))
+    os.makedirs(cache, exist_ok=True)
+    files = []
+    for part, n, part_seed in (("train", rows, seed), ("eval", max(rows // 10, 1000), seed + 1_000_003)):
+        path = os.path.join(cache, f"synth-{cardinalities}-{n}-seed{part_seed}-{part}.tsv")
+        if not os.path.exists(path):
+            console.print(f"writing {n:,} synthetic rows to {path}")
+            tmp = path + ".tmp"
+            write_synthetic(tmp, n, cardinalities=cardinalities, seed=part_seed)
+            os.replace(tmp, path)
+        files.append(path)
+    return files[0], files[1]
+
+
+def cmd_train(args, console: Console) -> int:
+    from deeprec.trainer import TrainConfig, train
+
+    data, eval_data, note = args.data, args.eval_data, None
+    if args.synthetic:
+        if data:
+            raise DeepRecError("give --data or --synthetic, not both")
+        train_file, eval_file = synthetic_files(args.synthetic, args.cardinalities, args.seed, console)
+        data, eval_data = [train_file], eval_data or [eval_file]
+    elif not data:
+        data = [sample_path()]
+        note = ("smoke run on the bundled 200-row real Criteo sample, 20% of it held out for eval: "
+                "the AUC is noise; try --synthetic 1000000 for a meaningful run")
+    eval_fraction = args.eval_fraction if args.eval_fraction is not None else (0.2 if note else 0.0)
+    cfg = TrainConfig(model=args.model, data=data, eval_data=eval_data or [], eval_fraction=eval_fraction,
+                      steps=args.steps, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+                      optimizer=args.optimizer, shuffle_buffer=args.shuffle_buffer, seed=args.seed,
+                      on_bad_row=args.on_bad_row, checkpoint_dir=args.checkpoint_dir,
+                      checkpoint_every=args.checkpoint_every, resume=args.resume, threads=args.threads)
+    if note:
+        console.print(f"[bold]{note}[/bold]")
+    result = train(cfg, console)
+    table = Table(title=f"deeprec train --model {args.model}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("steps", str(result["steps"]))
+    table.add_row("samples/s", f"{result['samples_per_s']:,.0f}")
+    table.add_row("final train loss", f"{result['final_loss']:.4f}")
+    if result["bad_rows"]:
+        table.add_row("bad rows skipped", str(result["bad_rows"]))
+    if "eval" in result:
+        ev = result["eval"]
+        table.add_row("eval rows", f"{ev['rows']:,}")
+        table.add_row("eval AUC", f"{ev['auc']:.4f}")
+        table.add_row("eval logloss", f"{ev['logloss']:.4f}")
+    Console().print(table)
+    if note:
+        console.print(note)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def cmd_evaluate(args, console: Console) -> int:
+    from deeprec.checkpoint import latest_checkpoint, load_checkpoint
+    from deeprec.data import open_reader
+    from deeprec.models import build_model
+    from deeprec.trainer import evaluate
+
+    path = args.checkpoint if os.path.isfile(args.checkpoint) else latest_checkpoint(args.checkpoint)
+    if path is None:
+        raise DeepRecError(f"no checkpoint found in {args.checkpoint}")
+    state = load_checkpoint(path)
+    model = build_model(state["model_name"], **state["model_overrides"])
+    model.load_state_dict(state["model"])
+    metrics = evaluate(model, open_reader(args.data, args.batch_size, on_bad_row=args.on_bad_row))
+    console.print(f"{path} (step {state['step']}) on {', '.join(args.data)}")
+    print(json.dumps(metrics))
+    return 0
+
+
+def cmd_synth(args, console: Console) -> int:
+    from deeprec.data import write_synthetic
+
+    summary = write_synthetic(args.out, args.rows, cardinalities=args.cardinalities, seed=args.seed)
+    print(json.dumps(summary))
+    return 0
+
+
+def cmd_convert(args, console: Console) -> int:
+    from deeprec.data import CriteoReader, write_parquet
+
+    rows = write_parquet(CriteoReader(args.input, 65536, on_bad_row=args.on_bad_row), args.out)
+    print(json.dumps({"rows": rows, "out": args.out}))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deeprec", description="Fast training of sparse CTR models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    tr = sub.add_parser("train", help="train a model")
+    tr.add_argument("--model", choices=sorted(MODELS), default="dlrm")
+    tr.add_argument("--data", nargs="+", help="TSV/CSV/Parquet files, folders or globs (default: bundled sample)")
+    tr.add_argument("--eval-data", nargs="+")
+    tr.add_argument("--eval-fraction", type=float, help="hold out this share of --data for eval")
+    span = tr.add_mutually_exclusive_group()
+    span.add_argument("--steps", type=int)
+    span.add_argument("--epochs", type=int)
+    tr.add_argument("--batch-size", type=int, default=512)
+    tr.add_argument("--lr", type=float, default=0.001)
+    tr.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
+    tr.add_argument("--shuffle-buffer", type=int, default=0)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--on-bad-row", choices=("raise", "skip"), default="raise")
+    tr.add_argument("--checkpoint-dir")
+    tr.add_argument("--checkpoint-every", type=int, default=0)
+    tr.add_argument("--resume", action="store_true")
+    tr.add_argument("--synthetic", type=int, metavar="ROWS", help="train on ROWS synthetic rows (cached)")
+    tr.add_argument("--cardinalities", choices=("kaggle", "small"), default="kaggle")
+    tr.add_argument("--threads", type=int, help="torch intra-op threads")
+    tr.add_argument("--json", help="write the result as JSON here")
+    tr.set_defaults(func=cmd_train)
+
+    ev = sub.add_parser("evaluate", help="AUC and log loss of a checkpoint on data")
+    ev.add_argument("--checkpoint", required=True, help="checkpoint file or folder (latest is used)")
+    ev.add_argument("--data", nargs="+", required=True)
+    ev.add_argument("--batch-size", type=int, default=4096)
+    ev.add_argument("--on-bad-row", choices=("raise", "skip"), default="raise")
+    ev.set_defaults(func=cmd_evaluate)
+
+    data = sub.add_parser("data", help="data tools").add_subparsers(dest="data_command", required=True)
+    sy = data.add_parser("synth", help="write synthetic Criteo-layout TSV")
+    sy.add_argument("--rows", type=int, required=True)
+    sy.add_argument("--out", required=True)
+    sy.add_argument("--cardinalities", choices=("kaggle", "small"), default="kaggle")
+    sy.add_argument("--seed", type=int, default=0)
+    sy.set_defaults(func=cmd_synth)
+    cv = data.add_parser("convert", help="Criteo TSV/CSV to Parquet")
+    cv.add_argument("input", nargs="+")
+    cv.add_argument("--out", required=True)
+    cv.add_argument("--on-bad-row", choices=("raise", "skip"), default="raise")
+    cv.set_defaults(func=cmd_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    console = Console(stderr=True)
+    try:
+        return args.func(args, console)
+    except (DeepRecError, FileNotFoundError) as err:
+        console.print(f"[red]error:[/red] {err}", highlight=False)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Optimizers for models mixing sparse-gradient embeddings and dense layers.
+
+torch.optim.Adagrad and SGD accept sparse gradients directly; Adam does not,
+so "adam" pairs torch.optim.SparseAdam (embeddings with sparse=True) with
+torch.optim.Adam (everything else).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deeprec.errors import check_choice
+
+OPTIMIZERS = ("adagrad", "adam", "sgd")
+
+
+def sparse_parameters(model: nn.Module) -> set[int]:
+    """ids of the weights of `nn.Embedding`/`nn.EmbeddingBag` modules with sparse=True."""
+    return {id(m.weight) for m in model.modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
+
+
+class OptimizerGroup:
+    """Several torch optimizers stepped as one (state_dict keeps them apart)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for opt, s in zip(self.optimizers, state["optimizers"], strict=True):
+            opt.load_state_dict(s)
+
+
+def make_optimizer(model: nn.Module, name: str = "adagrad", lr: float = 0.05) -> OptimizerGroup:
+    check_choice("optimizer", name, OPTIMIZERS)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name == "adagrad":
+        return OptimizerGroup([torch.optim.Adagrad(params, lr=lr, initial_accumulator_value=0.1)])
+    if name == "sgd":
+        return OptimizerGroup([torch.optim.SGD(params, lr=lr)])
+    sparse_ids = sparse_parameters(model)
+    sparse = [p for p in params if id(p) in sparse_ids]
+    dense = [p for p in params if id(p) not in sparse_ids]
+    group = [torch.optim.Adam(dense, lr=lr)] if dense else []
+    if sparse:
+        group.append(torch.optim.SparseAdam(sparse, lr=lr))
+    return OptimizerGroup(group)
