@@ -30,7 +30,9 @@ def _as_object_array(col) -> np.ndarray:
 
 
 def hash64(col) -> np.ndarray:
-    """Stable 64-bit hash (pandas' SipHash-2-4 with its fixed key) of each string.
+    """Stable 64-bit hash of each string: `pandas.util.hash_array`, i.e.
+    SipHash-2-4 with the fixed key b"0123456789123456" followed by the
+    splitmix64 finalizer (tests/test_ops.py spells it out).
 
     The value depends only on the bytes of the string: the same on every run,
     process and machine. `str` values hash as their UTF-8 bytes.

@@ -1,0 +1,56 @@
+import csv
+import os
+
+import pytest
+
+from deeprec.cli import sample_path
+from deeprec.data import write_synthetic
+
+
+@pytest.fixture(scope="session")
+def sample() -> str:
+    return sample_path()
+
+
+@pytest.fixture(scope="session")
+def sample_rows(sample) -> list[list[str]]:
+    """The bundled sample parsed by Python's csv module (header dropped)."""
+    with open(sample, newline="") as f:
+        return list(csv.reader(f))[1:]
+
+
+@pytest.fixture(scope="session")
+def unique_tsv(tmp_path_factory, sample_rows) -> str:
+    """10,000-row headerless TSV whose C1 is a unique row id (hex of the row number)."""
+    path = tmp_path_factory.mktemp("data") / "unique.tsv"
+    with open(path, "w") as f:
+        for k in range(10_000):
+            row = list(sample_rows[k % len(sample_rows)])
+            row[14] = f"{k:08x}"
+            f.write("\t".join(row) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def synthetic(tmp_path_factory) -> tuple[str, str]:
+    """Small-cardinality synthetic train (80k rows) and eval (10k rows) files."""
+    folder = tmp_path_factory.mktemp("synth")
+    train, evaluation = str(folder / "train.tsv"), str(folder / "eval.tsv")
+    write_synthetic(train, 80_000, cardinalities="small", seed=1)
+    write_synthetic(evaluation, 10_000, cardinalities="small", seed=2)
+    return train, evaluation
+
+
+def write_lines(path, lines) -> str:
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return str(path)
+
+
+@pytest.fixture
+def small_model() -> dict:
+    """Overrides that keep DLRM small and fast for tests."""
+    return {"hash_buckets": 1000, "bottom_mlp": (32, 16), "top_mlp": (32,)}
+
+
+os.environ.setdefault("DEEPREC_CACHE", os.path.join(os.path.dirname(__file__), ".cache"))

@@ -1,0 +1,183 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import write_lines
+from deeprec.data import CriteoReader, ParquetReader, detect_layout, write_parquet
+from deeprec.errors import ConfigError, DataError
+
+
+def collect(reader):
+    return [b for b in reader]
+
+
+def c1_ids(reader) -> list[bytes]:
+    return [v for b in reader for v in b["C1"].tolist()]
+
+
+def test_sample_csv_with_header_matches_python_csv(sample, sample_rows):
+    batches = collect(CriteoReader(sample, 64))
+    assert [len(b["label"]) for b in batches] == [64, 64, 64, 8]
+    b = batches[0]
+    assert set(b) == {"label", *(f"I{i}" for i in range(1, 14)), *(f"C{i}" for i in range(1, 27))}
+    assert b["label"].dtype == torch.float32 and b["I5"].dtype == torch.float32
+    assert b["C1"].dtype == object and isinstance(b["C1"][0], bytes)
+    for i, row in enumerate(sample_rows[:64]):
+        assert b["label"][i].item() == float(row[0])
+        for d in range(13):
+            value = b[f"I{d + 1}"][i].item()
+            assert math.isnan(value) if row[1 + d] == "" else value == pytest.approx(float(row[1 + d]))
+        for c in range(26):
+            assert b[f"C{c + 1}"][i] == row[14 + c].encode()
+
+
+def test_tsv_without_header_reads_the_same(tmp_path, sample, sample_rows):
+    tsv = write_lines(tmp_path / "day.tsv", ["\t".join(r) for r in sample_rows])
+    assert detect_layout(tsv).delimiter == "\t" and detect_layout(tsv).data_start == 0
+    for a, b in zip(collect(CriteoReader(sample, 50)), collect(CriteoReader(tsv, 50)), strict=True):
+        for key in a:
+            if key.startswith("C"):
+                assert (a[key] == b[key]).all()
+            else:
+                assert torch.equal(a[key].nan_to_num(-7), b[key].nan_to_num(-7))
+
+
+def _bad_file(tmp_path, sample_rows, line_no, row):
+    lines = ["\t".join(r) for r in sample_rows[:30]]
+    lines[line_no - 1] = row
+    return write_lines(tmp_path / "bad.tsv", lines)
+
+
+@pytest.mark.parametrize("line_no,mutate,reason", [
+    (7, lambda r: r[:-3], "expected 40 fields, found 37"),
+    (12, lambda r: [r[0], "abc"] + r[2:], "column I1: 'abc' is not a number"),
+    (19, lambda r: ["2"] + r[1:], "label must be 0 or 1, found 2"),
+    (23, lambda r: [""] + r[1:], "label must be 0 or 1, found nothing"),
+])
+def test_bad_row_raises_with_file_and_line(tmp_path, sample_rows, line_no, mutate, reason):
+    path = _bad_file(tmp_path, sample_rows, line_no, "\t".join(mutate(list(sample_rows[line_no - 1]))))
+    with pytest.raises(DataError) as err:
+        collect(CriteoReader(path, 8))
+    assert err.value.line == line_no and err.value.path == path
+    assert str(err.value) == f"{path}:{line_no}: {reason}"
+
+
+def test_bad_rows_skipped_counted_and_logged(tmp_path, sample_rows, caplog):
+    lines = ["\t".join(r) for r in sample_rows[:40]]
+    lines[2] = "\t".join(sample_rows[2][:10])
+    lines[9] = "\t".join(["0", "x"] + sample_rows[9][2:])
+    lines[30] = "\t".join(["3"] + sample_rows[30][1:])
+    path = write_lines(tmp_path / "bad.tsv", lines)
+    reader = CriteoReader(path, 16, on_bad_row="skip")
+    rows = sum(len(b["label"]) for b in reader)
+    assert rows == 37 and reader.stats.bad_rows == 3 and reader.stats.rows == 37
+    assert [e.split(": ")[0] for e in reader.stats.bad_row_examples] == [f"{path}:3", f"{path}:10", f"{path}:31"]
+    assert sum("skipping bad row" in r.message for r in caplog.records) == 3
+
+
+def test_unknown_bad_row_policy_lists_allowed(sample):
+    with pytest.raises(ConfigError, match=r"on_bad_row='drop' is not allowed; choose one of 'raise', 'skip'"):
+        CriteoReader(sample, 8, on_bad_row="drop")
+
+
+def test_header_missing_columns_is_a_clear_error(tmp_path):
+    path = write_lines(tmp_path / "x.csv", ["label,I1,C1", "0,1,a"])
+    with pytest.raises(DataError, match=r"x.csv:1: header lacks column\(s\) I2, I3"):
+        CriteoReader(path, 8)
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 7])
+def test_shards_yield_every_row_exactly_once(unique_tsv, num_shards):
+    seen = []
+    for k in range(num_shards):
+        seen += c1_ids(CriteoReader(unique_tsv, 333, num_shards=num_shards, shard_index=k, chunk_bytes=4096))
+    assert len(seen) == 10_000 and len(set(seen)) == 10_000
+
+
+def test_exactly_once_with_many_files_shuffle_and_bad_rows(tmp_path, unique_tsv):
+    with open(unique_tsv) as f:
+        lines = f.read().splitlines()
+    files = []
+    for part in range(3):  # three files, each with two malformed rows
+        chunk = lines[part * 3000:(part + 1) * 3000]
+        chunk[5] = "garbage"
+        chunk[-1] = "1\tnot-a-number" + "\t" * 38
+        files.append(write_lines(tmp_path / f"part{part}.tsv", chunk))
+    expected = {ln.split("\t")[14] for f in files for ln in open(f).read().splitlines()[:-1] if ln != "garbage"}
+    seen = []
+    for k in range(4):
+        reader = CriteoReader(files, 128, shuffle_buffer=500, seed=3, num_shards=4, shard_index=k,
+                              on_bad_row="skip", chunk_bytes=8192, num_epochs=1)
+        seen += [v.decode() for v in c1_ids(reader)]
+    assert len(seen) == len(expected) == 9000 - 6 and set(seen) == expected
+
+
+def test_deterministic_for_a_seed_and_shuffled(unique_tsv):
+    plain = c1_ids(CriteoReader(unique_tsv, 1000))
+    a = c1_ids(CriteoReader(unique_tsv, 1000, shuffle_buffer=2000, seed=5))
+    b = c1_ids(CriteoReader(unique_tsv, 1000, shuffle_buffer=2000, seed=5))
+    c = c1_ids(CriteoReader(unique_tsv, 1000, shuffle_buffer=2000, seed=6))
+    assert a == b and a != c and a != plain and sorted(a) == sorted(plain)
+
+
+def test_epochs_reshuffle_and_drop_remainder(unique_tsv):
+    reader = CriteoReader(unique_tsv, 3000, num_epochs=2, shuffle_buffer=1000, drop_remainder=True)
+    batches = collect(reader)
+    assert [len(b["label"]) for b in batches] == [3000] * 6
+    first = [v for b in batches[:3] for v in b["C1"]]
+    second = [v for b in batches[3:] for v in b["C1"]]
+    assert first != second
+
+
+def test_resume_position_continues_the_same_stream(unique_tsv):
+    kwargs = dict(batch_size=700, shuffle_buffer=1500, seed=9, num_epochs=2)
+    full = [b["C1"].tolist() for b in CriteoReader(unique_tsv, **kwargs)]
+    reader = CriteoReader(unique_tsv, **kwargs)
+    it = iter(reader)
+    head = [next(it)["C1"].tolist() for _ in range(17)]  # into the second epoch
+    state = reader.state_dict()
+    resumed = CriteoReader(unique_tsv, **kwargs)
+    resumed.load_state_dict(state)
+    assert head + [b["C1"].tolist() for b in resumed] == full
+    with pytest.raises(ConfigError, match="other reader settings"):
+        CriteoReader(unique_tsv, 100).load_state_dict(state)
+
+
+def test_parquet_reader_same_batches_and_shards(tmp_path, sample, unique_tsv):
+    path = str(tmp_path / "s.parquet")
+    assert write_parquet(CriteoReader(sample, 64), path, row_group_rows=50) == 200
+    for a, b in zip(collect(CriteoReader(sample, 32)), collect(ParquetReader(path, 32)), strict=True):
+        assert torch.equal(a["label"], b["label"]) and torch.equal(a["I3"].nan_to_num(-1), b["I3"].nan_to_num(-1))
+        assert (a["C7"] == b["C7"]).all()
+    many = str(tmp_path / "u.parquet")
+    write_parquet(CriteoReader(unique_tsv, 1000), many, row_group_rows=1000)
+    seen = [v for k in range(3) for v in c1_ids(ParquetReader(many, 256, num_shards=3, shard_index=k))]
+    assert len(seen) == 10_000 == len(set(seen))
+
+
+def test_parquet_errors(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    cols = {"label": [0, 1, 5], **{f"I{i}": [1.0, 2.0, 3.0] for i in range(1, 14)},
+            **{f"C{i}": ["a", "b", "c"] for i in range(1, 27)}}
+    path = str(tmp_path / "bad.parquet")
+    pq.write_table(pa.table(cols), path)
+    with pytest.raises(DataError, match=r"bad.parquet:3: label must be 0 or 1"):
+        collect(ParquetReader(path, 2))
+    reader = ParquetReader(path, 2, on_bad_row="skip")
+    assert sum(len(b["label"]) for b in reader) == 2 and reader.stats.bad_rows == 1
+    pq.write_table(pa.table({k: v for k, v in cols.items() if k != "C5"}), path)
+    with pytest.raises(DataError, match="missing column.*C5"):
+        ParquetReader(path, 2)
+    with open(tmp_path / "junk.parquet", "w") as f:
+        f.write("not parquet")
+    with pytest.raises(DataError, match="not a readable Parquet file"):
+        ParquetReader(str(tmp_path / "junk.parquet"), 2)
+
+
+def test_missing_file_is_a_clear_error():
+    with pytest.raises(ConfigError, match="no such file"):
+        CriteoReader("/nonexistent/day_0.tsv", 8)

@@ -1,0 +1,111 @@
+import os
+
+import pytest
+import torch
+
+from deeprec.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from deeprec.errors import ConfigError
+from deeprec.trainer import TrainConfig, Trainer, evaluate
+
+
+def _cfg(data, ckpt, small_model, **kw):
+    base = dict(model="dlrm", data=[data], batch_size=256, shuffle_buffer=1000, seed=4,
+                checkpoint_dir=str(ckpt), model_overrides=small_model, progress=False)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _assert_same_state(a: Trainer, b: Trainer):
+    for (name, p), q in zip(a.model.state_dict().items(), b.model.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
+    sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
+    for oa, ob in zip(sa["optimizers"], sb["optimizers"], strict=True):
+        for key in oa["state"]:
+            for field, value in oa["state"][key].items():
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(ob["state"][key][field])), (key, field)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adagrad"])
+def test_resume_equals_uninterrupted_run(tmp_path, unique_tsv, small_model, optimizer):
+    # 10,000 rows / 256 = 40 batches per epoch: 55 steps cross an epoch boundary.
+    full = Trainer(_cfg(unique_tsv, tmp_path / "full", small_model, steps=55, optimizer=optimizer))
+    full.train()
+    first = Trainer(_cfg(unique_tsv, tmp_path / "split", small_model, steps=23, optimizer=optimizer))
+    first.train()
+    resumed = Trainer(_cfg(unique_tsv, tmp_path / "split", small_model, steps=55, optimizer=optimizer, resume=True))
+    assert resumed.step == 23
+    result = resumed.train()
+    assert result["steps"] == 55 and result["steps_this_run"] == 32
+    _assert_same_state(full, resumed)
+
+
+def test_resume_with_epochs_and_periodic_checkpoints(tmp_path, unique_tsv, small_model):
+    full = Trainer(_cfg(unique_tsv, tmp_path / "a", small_model, epochs=2))
+    assert full.train()["steps"] == 80
+    part = Trainer(_cfg(unique_tsv, tmp_path / "b", small_model, epochs=2, checkpoint_every=30))
+    # simulate a crash after step 60: stop the loop by exhausting it early
+    part.cfg.steps, part.cfg.epochs = 60, None
+    part.train()
+    assert [os.path.basename(p) for p in list_checkpoints(str(tmp_path / "b"))] == [
+        "checkpoint-000000030.pt", "checkpoint-000000060.pt"]
+    resumed = Trainer(_cfg(unique_tsv, tmp_path / "b", small_model, epochs=2, resume=True))
+    assert resumed.step == 60 and resumed.train()["steps"] == 80
+    _assert_same_state(full, resumed)
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    save_checkpoint(str(tmp_path), 1, {"x": torch.ones(3)})
+
+    def broken_save(obj, f):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(str(tmp_path), 2, {"x": torch.zeros(3)})
+    assert os.listdir(tmp_path) == ["checkpoint-000000001.pt"]  # no partial or temp file left
+    assert torch.equal(load_checkpoint(latest_checkpoint(str(tmp_path)))["x"], torch.ones(3))
+
+
+def test_old_checkpoints_pruned(tmp_path):
+    for step in range(1, 6):
+        save_checkpoint(str(tmp_path), step, {"step": step}, keep=2)
+    assert [os.path.basename(p) for p in list_checkpoints(str(tmp_path))] == [
+        "checkpoint-000000004.pt", "checkpoint-000000005.pt"]
+
+
+def test_resume_refuses_other_model(tmp_path, unique_tsv, small_model):
+    Trainer(_cfg(unique_tsv, tmp_path, small_model, steps=2)).train()
+    with pytest.raises(ConfigError, match="holds a 'dlrm' model, not 'wdl'"):
+        Trainer(_cfg(unique_tsv, tmp_path, {}, model="wdl", steps=4, resume=True))
+
+
+def test_config_errors(unique_tsv):
+    with pytest.raises(ConfigError, match="steps or epochs, not both"):
+        TrainConfig(data=[unique_tsv], steps=1, epochs=1)
+    with pytest.raises(ConfigError, match="resume needs checkpoint_dir"):
+        TrainConfig(data=[unique_tsv], resume=True)
+    with pytest.raises(ConfigError, match="optimizer='lamb' is not allowed"):
+        Trainer(TrainConfig(data=[unique_tsv], optimizer="lamb", progress=False))
+
+
+def test_evaluate_uses_model_predictions(sample):
+    from sklearn.metrics import roc_auc_score
+
+    from deeprec.data import CriteoReader
+
+    class Oracle(torch.nn.Module):  # logits = label: perfect ranking
+        def forward(self, batch):
+            return {"logits": batch["label"] * 4 - 2}
+
+    metrics = evaluate(Oracle(), CriteoReader(sample, 64))
+    assert metrics["rows"] == 200 and metrics["auc"] == 1.0
+    labels = torch.cat([b["label"] for b in CriteoReader(sample, 64)])
+
+    class Noisy(torch.nn.Module):
+        def forward(self, batch):
+            return {"logits": batch["I2"].nan_to_num(0.0)}
+
+    got = evaluate(Noisy(), CriteoReader(sample, 64))["auc"]
+    i2 = torch.cat([b["I2"].nan_to_num(0.0) for b in CriteoReader(sample, 64)])
+    assert got == pytest.approx(roc_auc_score(labels.numpy(), torch.sigmoid(i2.double()).numpy()))
