@@ -1,0 +1,49 @@
+"""Helpers shared by the benchmarks: machine info, statistics, JSON, table, plot."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def machine() -> dict:
+    return {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "processor": platform.processor() or platform.machine(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def summarize(samples: list[float]) -> dict:
+    """Median and spread (10th-90th percentile) of repeated measurements."""
+    ordered = sorted(samples)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]  # noqa: E731
+    return {"median": statistics.median(ordered), "p10": pick(0.1), "p90": pick(0.9), "n": len(ordered)}
+
+
+def save_json(name: str, payload: dict) -> str:
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump({"machine": machine(), **payload}, f, indent=2)
+    return path
+
+
+def print_table(title: str, columns: list[str], rows: list[list]) -> None:
+    table = Table(title=title)
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*[str(v) for v in row])
+    Console().print(table)
+
+
+def plot_path(name: str) -> str:
+    os.makedirs(RESULTS, exist_ok=True)
+    return os.path.join(RESULTS, f"{name}.png")

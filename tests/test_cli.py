@@ -1,0 +1,71 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from deeprec.cli import main
+from deeprec.data import CriteoReader
+
+
+@pytest.mark.parametrize("model", ["dlrm", "deepfm", "wdl"])
+def test_train_each_model_on_real_sample(model, sample, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["train", "--model", model, "--data", sample, "--steps", "20", "--batch-size", "32",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    # 200 rows = 6 batches of 32 + one of 8 per epoch, repeated: 200 + 200 + 6 * 32
+    assert result["steps"] == 20 and result["rows"] == 592
+    assert "samples/s" in capsys.readouterr().out
+
+
+def test_default_run_is_the_bundled_smoke_run(capsys, tmp_path):
+    out = tmp_path / "r.json"
+    assert main(["train", "--epochs", "1", "--batch-size", "32", "--json", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "200-row real Criteo sample" in captured.err and "eval AUC" in captured.out
+    result = json.loads(out.read_text())
+    assert 0 < result["eval"]["rows"] < 200 and result["rows"] + result["eval"]["rows"] == 200
+
+
+def test_malformed_file_reports_line(tmp_path, sample_rows, capsys):
+    lines = ["\t".join(r) for r in sample_rows[:20]]
+    lines[13] = "\t".join(sample_rows[13][:20])
+    path = tmp_path / "broken.tsv"
+    path.write_text("\n".join(lines) + "\n")
+    assert main(["train", "--data", str(path), "--steps", "2"]) == 2
+    assert f"{path}:14: expected 40 fields, found 20" in capsys.readouterr().err.replace("\n", "")
+    assert main(["train", "--data", str(path), "--steps", "2", "--batch-size", "8", "--on-bad-row", "skip"]) == 0
+
+
+def test_synth_convert_train_resume_evaluate(tmp_path, capsys):
+    tsv, pq = tmp_path / "s.tsv", tmp_path / "s.parquet"
+    assert main(["data", "synth", "--rows", "3000", "--out", str(tsv), "--cardinalities", "small", "--seed", "3"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["rows"] == 3000 and 0.1 < summary["click_rate"] < 0.5
+    assert sum(len(b["label"]) for b in CriteoReader(str(tsv), 1000)) == 3000
+    assert main(["data", "convert", str(tsv), "--out", str(pq)]) == 0
+    capsys.readouterr()
+    ckpt = tmp_path / "ckpt"
+    args = ["train", "--data", str(pq), "--batch-size", "256", "--checkpoint-dir", str(ckpt)]
+    assert main(args + ["--steps", "5"]) == 0
+    assert main(args + ["--steps", "8", "--resume"]) == 0
+    assert "resumed from" in capsys.readouterr().err
+    assert main(["evaluate", "--checkpoint", str(ckpt), "--data", str(tsv)]) == 0
+    metrics = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert metrics["rows"] == 3000 and 0.0 <= metrics["auc"] <= 1.0
+
+
+def test_synthetic_flag_caches_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("DEEPREC_CACHE", str(tmp_path))
+    assert main(["train", "--synthetic", "2000", "--cardinalities", "small", "--steps", "3"]) == 0
+    assert sorted(os.listdir(tmp_path)) == ["synth-small-1000-seed1000003-eval.tsv", "synth-small-2000-seed0-train.tsv"]
+
+
+def test_console_script_is_installed():
+    exe = os.path.join(os.path.dirname(sys.executable), "deeprec")
+    done = subprocess.run([exe, "train", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "--checkpoint-dir" in done.stdout
+    bad = subprocess.run([exe, "train", "--model", "xyz"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "invalid choice: 'xyz'" in bad.stderr
