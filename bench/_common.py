@@ -21,10 +21,11 @@ def machine() -> dict:
 
 
 def summarize(samples: list[float]) -> dict:
-    """Median and spread (10th-90th percentile) of repeated measurements."""
+    """Median, mean and spread (10th-90th percentile) of repeated measurements."""
     ordered = sorted(samples)
     pick = lambda q: ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]  # noqa: E731
-    return {"median": statistics.median(ordered), "p10": pick(0.1), "p90": pick(0.9), "n": len(ordered)}
+    return {"median": statistics.median(ordered), "mean": statistics.fmean(ordered),
+            "p10": pick(0.1), "p90": pick(0.9), "n": len(ordered)}
 
 
 def save_json(name: str, payload: dict) -> str:
@@ -41,7 +42,7 @@ def print_table(title: str, columns: list[str], rows: list[list]) -> None:
         table.add_column(col, justify="left" if i == 0 else "right")
     for row in rows:
         table.add_row(*[str(v) for v in row])
-    Console().print(table)
+    Console(width=160).print(table)
 
 
 def plot_path(name: str) -> str:

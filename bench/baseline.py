@@ -1,0 +1,128 @@
+"""Baseline training throughput: plain PyTorch models, no deeprec optimization.
+
+Each step of the plain loop, timed in three parts on synthetic Criteo data
+(Criteo-Kaggle cardinalities), batch 512:
+
+    read+parse      next(reader): pyarrow parse of the TSV chunk, batch assembly
+    preprocess      the model's own feature ops on the raw batch: fill missing,
+                    log, 26 x string hash (timed by calling them alone on the batch)
+    fwd+bwd+update  the full train step minus the preprocess time above
+
+samples/s counts read + full step only (the separate preprocess call is not
+part of the loop). Rounds alternate between models so drift hits them alike.
+samples/s: median and p10-p90 over rounds. The split is the mean ms per step,
+so that it adds up: a 4 MB chunk is parsed once per ~40 batches, and a median
+would hide that cost.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from _common import plot_path, print_table, save_json, summarize
+from deeprec.data import CriteoReader, write_synthetic
+from deeprec.models import build_model
+from deeprec.models.common import dense_features, sparse_ids
+from deeprec.optim import make_optimizer
+
+
+def timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return out, (time.perf_counter() - start) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="dlrm,deepfm,wdl")
+    parser.add_argument("--batch-size", type=int, default=512)
+    parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument("--steps-per-round", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--optimizer", default="adam", help="as deeprec train: adam | adagrad | sgd")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+
+    data = os.path.join(os.path.dirname(plot_path("x")), f"synth-kaggle-{args.rows}.tsv")
+    if not os.path.exists(data):
+        write_synthetic(data + ".tmp", args.rows, cardinalities="kaggle", seed=0)
+        os.replace(data + ".tmp", data)
+
+    names = args.models.split(",")
+    setups = {}
+    for name in names:
+        model = build_model(name)
+        reader = CriteoReader(data, args.batch_size, num_epochs=None, drop_remainder=True)
+        setups[name] = (model, make_optimizer(model, args.optimizer, 1e-3), iter(reader))
+    parts = {name: {"read": [], "preprocess": [], "compute": [], "step": []} for name in names}
+    throughput = {name: [] for name in names}
+
+    def step(name, record: bool):
+        model, opt, batches = setups[name]
+        batch, t_read = timed(lambda: next(batches))
+        _, t_pre = timed(lambda: (dense_features(batch), sparse_ids(batch, model.sizes)))
+
+        def train_step():
+            model(batch)["loss"].backward()
+            opt.step()
+            opt.zero_grad()
+
+        _, t_step = timed(train_step)
+        if record:
+            p = parts[name]
+            p["read"].append(t_read)
+            p["preprocess"].append(t_pre)
+            p["compute"].append(t_step - t_pre)
+            p["step"].append(t_read + t_step)
+
+    for name in names:
+        for _ in range(args.warmup):
+            step(name, record=False)
+    for _ in range(args.rounds):
+        for name in names:
+            before = len(parts[name]["step"])
+            for _ in range(args.steps_per_round):
+                step(name, record=True)
+            ms = sum(parts[name]["step"][before:])
+            throughput[name].append(args.batch_size * args.steps_per_round / (ms / 1e3))
+
+    results, rows = {}, []
+    for name in names:
+        stats = {k: summarize(v) for k, v in parts[name].items()}
+        rate = summarize(throughput[name])
+        total = stats["read"]["mean"] + stats["preprocess"]["mean"] + stats["compute"]["mean"]
+        results[name] = {"samples_per_s": rate, "ms_per_step": stats}
+        rows.append([name, f"{rate['median']:,.0f}", f"{rate['p10']:,.0f}-{rate['p90']:,.0f}"]
+                    + [f"{stats[k]['mean']:.1f} ({100 * stats[k]['mean'] / total:.0f}%)"
+                       for k in ("read", "preprocess", "compute")])
+    print_table(f"baseline training, batch {args.batch_size}, {args.optimizer}, {torch.get_num_threads()} threads, "
+                "synthetic Criteo (Kaggle cardinalities)",
+                ["model", "samples/s", "p10-p90", "read+parse ms", "preprocess ms", "fwd+bwd+update ms"], rows)
+    print("saved", save_json("baseline", {"batch_size": args.batch_size, "rows": args.rows,
+                                          "rounds": args.rounds, "steps_per_round": args.steps_per_round,
+                                          "optimizer": args.optimizer,
+                                          "results": results}))
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 0.9 + 0.6 * len(names)))
+    left = [0.0] * len(names)
+    for part, color in (("read", "#8da0cb"), ("preprocess", "#fc8d62"), ("compute", "#66c2a5")):
+        widths = [results[n]["ms_per_step"][part]["mean"] for n in names]
+        ax.barh(names, widths, left=left, color=color, label=part)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.set_xlabel(f"ms per step (batch {args.batch_size}, mean)")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(plot_path("baseline"))
+    print("saved", plot_path("baseline"))
+
+
+if __name__ == "__main__":
+    main()
