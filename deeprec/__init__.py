@@ -2,12 +2,18 @@
 
     import deeprec as dr
     model = dr.models.build_model("dlrm")
-    reader = dr.data.CriteoReader("day_0.tsv", batch_size=512)
+    fast = dr.optimize(model, dr.Config(smart_stage=True))
+    for out in fast.iterate(dr.data.CriteoReader("day_0.tsv", batch_size=512)):
+        out["loss"].backward(); ...
 """
 from deeprec import data, errors, models, ops
+from deeprec.config import Config, SmartStageOptions, ThreadPoolOptions
 from deeprec.errors import ConfigError, DataError, DeepRecError, OutOfRangeError
+from deeprec.graph import CaptureError, mark_target_node, staged
 from deeprec.ops import op
+from deeprec.runtime import OptimizedModel, make_prefetch_hook, optimize
 
 __version__ = "0.1.0"
-__all__ = ["data", "errors", "models", "ops", "op", "ConfigError", "DataError", "DeepRecError",
-           "OutOfRangeError", "__version__"]
+__all__ = ["data", "errors", "models", "ops", "op", "Config", "SmartStageOptions", "ThreadPoolOptions",
+           "ConfigError", "DataError", "DeepRecError", "OutOfRangeError", "CaptureError",
+           "mark_target_node", "staged", "OptimizedModel", "make_prefetch_hook", "optimize", "__version__"]

@@ -1,0 +1,118 @@
+"""User-facing configuration, validated on construction (the seed's ConfigProto options).
+
+Names and defaults follow `shared/seeds/smart-stage.md` (SmartStageOptions) and
+`shared/DESIGN.md`. Options of later subsystems join this file with their issues.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from deeprec.errors import ConfigError, OutOfRangeError
+
+
+def _positive(owner: str, **values) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{owner}.{name} must be a positive int, got {value!r}")
+
+
+def _exception_types(owner: str, name: str, value) -> tuple:
+    types = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+    for t in types:
+        if not (isinstance(t, type) and issubclass(t, BaseException)):
+            raise ConfigError(f"{owner}.{name} must hold exception classes, got {t!r}")
+    return types
+
+
+@dataclass
+class SmartStageOptions:
+    """How the staged subgraph runs ahead of the training step (seed defaults).
+
+    capacity: results buffered ahead; num_threads: runner threads executing the
+    stage; num_clients: consumers taking results; timeout_millis: how long a
+    finished result may wait for buffer space before it is dropped (logged and
+    counted in `stats.dropped`); closed_exception_types end the stream cleanly;
+    ignored_exception_types skip that batch. `ordered=False` lets results of
+    several runner threads arrive in completion order (deeprec extension).
+    """
+
+    capacity: int = 1
+    num_threads: int = 1
+    num_clients: int = 1
+    timeout_millis: int = 300000
+    closed_exception_types: tuple = (StopIteration, OutOfRangeError)
+    ignored_exception_types: tuple = ()
+    use_stage_subgraph_thread_pool: bool = False
+    stage_subgraph_thread_pool_id: int = 0
+    stage_subgraph_stream_id: int = 0
+    name: str | None = None
+    ordered: bool = True
+
+    def __post_init__(self):
+        _positive("SmartStageOptions", capacity=self.capacity, num_threads=self.num_threads,
+                  num_clients=self.num_clients, timeout_millis=self.timeout_millis)
+        self.closed_exception_types = _exception_types("SmartStageOptions", "closed_exception_types",
+                                                       self.closed_exception_types)
+        self.ignored_exception_types = _exception_types("SmartStageOptions", "ignored_exception_types",
+                                                        self.ignored_exception_types)
+        for name in ("stage_subgraph_thread_pool_id", "stage_subgraph_stream_id"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ConfigError(f"SmartStageOptions.{name} must be an int >= 0, got {value!r}")
+
+
+@dataclass
+class ThreadPoolOptions:
+    """An independent pool for the stage subgraph (`use_stage_subgraph_thread_pool`).
+
+    intra_op_threads: torch intra-op threads inside each pool thread; keep
+    pool threads x intra_op_threads + the main step's threads <= cores.
+    """
+
+    num_threads: int = 1
+    intra_op_threads: int = 1
+    name: str | None = None
+
+    def __post_init__(self):
+        _positive("ThreadPoolOptions", num_threads=self.num_threads, intra_op_threads=self.intra_op_threads)
+
+
+@dataclass
+class Config:
+    """What `deeprec.optimize` applies to a model.
+
+    smart_stage: move the data-side subgraph into a background stage.
+    stage_subgraph_on_cpu: on CUDA, run the stage on CPU into pinned memory and
+        copy its tensors with one packed host-to-device copy on a side stream.
+    stage_thread_pools: pools that `SmartStageOptions.stage_subgraph_thread_pool_id` indexes.
+    main_threads: torch intra-op threads of the training step while the stage runs
+        (None: cores minus the stage's threads, at least 1).
+    """
+
+    smart_stage: bool = False
+    smart_stage_options: SmartStageOptions = field(default_factory=SmartStageOptions)
+    stage_subgraph_on_cpu: bool = False
+    stage_thread_pools: list = field(default_factory=list)
+    main_threads: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.smart_stage_options, SmartStageOptions):
+            raise ConfigError("smart_stage_options must be a deeprec.SmartStageOptions")
+        self.stage_thread_pools = list(self.stage_thread_pools)
+        for pool in self.stage_thread_pools:
+            if not isinstance(pool, ThreadPoolOptions):
+                raise ConfigError(f"stage_thread_pools must hold deeprec.ThreadPoolOptions, got {pool!r}")
+        opts = self.smart_stage_options
+        if opts.use_stage_subgraph_thread_pool:
+            n = len(self.stage_thread_pools)
+            if not 0 <= opts.stage_subgraph_thread_pool_id < n:
+                declared = f"ids 0..{n - 1}" if n else "none"
+                raise ConfigError(
+                    f"SmartStageOptions.stage_subgraph_thread_pool_id={opts.stage_subgraph_thread_pool_id} "
+                    f"but Config.stage_thread_pools declares {n} pool(s) ({declared})")
+        if self.main_threads is not None:
+            _positive("Config", main_threads=self.main_threads)
+
+    def stage_pool(self) -> ThreadPoolOptions | None:
+        opts = self.smart_stage_options
+        return self.stage_thread_pools[opts.stage_subgraph_thread_pool_id] if opts.use_stage_subgraph_thread_pool else None

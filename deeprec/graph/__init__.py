@@ -1,0 +1,7 @@
+"""Graph capture (torch.fx), markers usable inside forward, and the passes."""
+from deeprec.graph.capture import CaptureError, capture
+from deeprec.graph.markers import mark_target_node, staged
+from deeprec.graph.smart_stage import StagePartition, find_stage_region, smart_stage_pass
+
+__all__ = ["CaptureError", "capture", "mark_target_node", "staged", "StagePartition",
+           "find_stage_region", "smart_stage_pass"]

@@ -1,0 +1,165 @@
+"""`deeprec.optimize`: capture, apply the passes, and run the result.
+
+    fast = dr.optimize(model, dr.Config(smart_stage=True))
+    fast(batch)                      # stage then main, same outputs as model(batch)
+    for out in fast.iterate(reader): # stage runs ahead in background threads
+        ...
+    with dr.make_prefetch_hook(fast, reader) as batches:   # hand-written loop
+        for staged in batches:
+            out = fast(staged)       # only the main step runs here
+"""
+from __future__ import annotations
+
+import operator
+import os
+from collections import Counter
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from deeprec.config import Config
+from deeprec.graph.capture import capture
+from deeprec.graph.markers import staged
+from deeprec.graph.smart_stage import StagePartition, smart_stage_pass
+from deeprec.runtime.prefetch import PrefetchRunner, StagedBatch
+from deeprec.runtime.transfer import PackedCopier, make_ready
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+class OptimizedModel(nn.Module):
+    """The user's model with deeprec's passes applied; parameters stay the model's own."""
+
+    def __init__(self, model: nn.Module, config: Config | None = None):
+        super().__init__()
+        self.model = model
+        self.config = config = config or Config()
+        self.graph_module = capture(model)
+        has_marker = any(n.op == "call_function" and n.target is staged for n in self.graph_module.graph.nodes)
+        self.partition: StagePartition | None = None
+        if config.smart_stage or has_marker:
+            self.partition = smart_stage_pass(self.graph_module, smart_stage=config.smart_stage)
+        self.device = _device_of(model)
+
+    @property
+    def staged(self) -> bool:
+        return self.partition is not None and self.partition.stage is not None
+
+    def stage(self, batch) -> StagedBatch:
+        """Run the stage subgraph on a raw batch (what the runner threads do)."""
+        with record_function("deeprec.stage"):
+            return StagedBatch(self.partition.stage(batch), seq=-1)
+
+    def forward(self, batch):
+        if not self.staged:
+            if isinstance(batch, StagedBatch):
+                raise TypeError("this model has no stage: call it with the raw batch")
+            return self.model(batch)
+        item = batch if isinstance(batch, StagedBatch) else self.stage(batch)
+        with record_function("deeprec.main"):
+            return self.partition.main(*make_ready(item, self.device))
+
+    def iterate(self, reader):
+        """Yield `self(batch)` for each batch of `reader`, the stage running ahead.
+
+        A generator: leaving the loop early (break, exception) closes it and joins
+        the stage threads; keep a reference only inside `contextlib.closing`.
+        """
+        if not self.staged:
+            for batch in reader:
+                yield self.model(batch)
+            return
+        with make_prefetch_hook(self, reader) as batches:
+            for item in batches:
+                yield self(item)
+
+    def explain(self) -> str:
+        return explain(self)
+
+
+class PrefetchHook:
+    """Runs the stage of `fast` over `reader` in background threads while the
+    `with` block lasts; iterating yields `StagedBatch`es for `fast(...)`.
+    Every thread is joined on exit, whatever ends the block."""
+
+    def __init__(self, fast: OptimizedModel, reader):
+        if not fast.staged:
+            raise ValueError("make_prefetch_hook needs a model with a stage: use "
+                             "dr.Config(smart_stage=True) or dr.staged(...) in forward")
+        self.fast, self.reader = fast, reader
+        self.runner: PrefetchRunner | None = None
+        self._saved_threads = None
+
+    def __enter__(self) -> "PrefetchHook":
+        cfg = self.fast.config
+        opts = cfg.smart_stage_options
+        pool = cfg.stage_pool()
+        transfer = None
+        if self.fast.device.type == "cuda" and cfg.stage_subgraph_on_cpu:
+            transfer = PackedCopier(self.fast.device, opts.stage_subgraph_stream_id)
+        stage_threads = pool.num_threads * pool.intra_op_threads if pool else opts.num_threads
+        main_threads = cfg.main_threads or max(1, (os.cpu_count() or 1) - stage_threads)
+        self._saved_threads = torch.get_num_threads()
+        torch.set_num_threads(main_threads)  # background + intra-op <= cores
+        self.runner = PrefetchRunner(self.reader, self.fast.partition.stage, opts, pool=pool,
+                                     transfer=transfer, name=opts.name)
+        return self
+
+    def __iter__(self):
+        try:
+            while True:
+                try:
+                    yield self.runner.take()
+                except StopIteration:
+                    return
+        finally:
+            self.runner.client_finished()
+
+    def __exit__(self, *exc) -> None:
+        self.runner.close()
+        torch.set_num_threads(self._saved_threads)
+
+    @property
+    def stats(self):
+        return self.runner.stats
+
+
+def make_prefetch_hook(fast: OptimizedModel, reader) -> PrefetchHook:
+    """Context manager for hand-written loops (the seed's `tf.make_prefetch_hook()`)."""
+    return PrefetchHook(fast, reader)
+
+
+def optimize(model: nn.Module, config: Config | None = None) -> OptimizedModel:
+    """Capture `model.forward` and apply the passes `config` asks for."""
+    return OptimizedModel(model, config)
+
+
+def explain(fast: OptimizedModel) -> str:
+    name = type(fast.model).__name__
+    part = fast.partition
+    lines = [f"{name}.forward: {sum(1 for _ in fast.graph_module.graph.nodes)} graph nodes"]
+    if part is None:
+        lines.append("SmartStage off (dr.Config(smart_stage=True) enables it); the model runs as written.")
+        return "\n".join(lines)
+    nodes = {n.name: n for n in fast.graph_module.graph.nodes}
+    columns = [nodes[n].args[1] for n in part.stage_nodes
+               if nodes[n].target is operator.getitem and nodes[n].args[0].op == "placeholder"]
+    counts = Counter(getattr(nodes[n].target, "__name__", str(nodes[n].target)) for n in part.stage_nodes
+                     if not (nodes[n].target is operator.getitem and nodes[n].args[0].op == "placeholder"))
+    lines.append(f"SmartStage: smart_stage={fast.config.smart_stage}, manual dr.staged boundary: "
+                 f"{'yes' if part.manual else 'no'}")
+    lines.append(f"stage ({len(part.stage_nodes)} nodes, run ahead in background threads):")
+    if columns:
+        lines.append(f"  reads {len(columns)} batch columns: {', '.join(map(str, columns))}")
+    lines.append("  ops: " + ", ".join(f"{t} x{c}" if c > 1 else t for t, c in counts.items()))
+    lines.append(f"main ({len(part.main_nodes)} nodes, the training step)")
+    lines.append(f"cut ({len(part.cut)} values passed from stage to main): " + ", ".join(part.cut))
+    if part.kept:
+        lines.append("data-side nodes kept in main, and why:")
+        lines += [f"  {node}: {reason}" for node, reason in part.kept.items()]
+    return "\n".join(lines)
