@@ -1,4 +1,4 @@
-"""`deeprec` command line: train, evaluate, data synth, data convert."""
+"""`deeprec` command line: train, explain, evaluate, data synth, data convert."""
 from __future__ import annotations
 
 import argparse
@@ -59,7 +59,8 @@ def cmd_train(args, console: Console) -> int:
                       steps=args.steps, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                       optimizer=args.optimizer, shuffle_buffer=args.shuffle_buffer, seed=args.seed,
                       on_bad_row=args.on_bad_row, checkpoint_dir=args.checkpoint_dir,
-                      checkpoint_every=args.checkpoint_every, resume=args.resume, threads=args.threads)
+                      checkpoint_every=args.checkpoint_every, resume=args.resume, threads=args.threads,
+                      smart_stage=args.smart_stage, capacity=args.capacity, stage_threads=args.stage_threads)
     if note:
         console.print(f"[bold]{note}[/bold]")
     result = train(cfg, console)
@@ -69,6 +70,10 @@ def cmd_train(args, console: Console) -> int:
     table.add_row("steps", str(result["steps"]))
     table.add_row("samples/s", f"{result['samples_per_s']:,.0f}")
     table.add_row("final train loss", f"{result['final_loss']:.4f}")
+    if "stage" in result:
+        st = result["stage"]
+        table.add_row("smart stage", f"{st['taken']} batches staged ahead, {st['dropped']} dropped, "
+                                     f"{st['ignored']} ignored")
     if result["bad_rows"]:
         table.add_row("bad rows skipped", str(result["bad_rows"]))
     if "eval" in result:
@@ -82,6 +87,15 @@ def cmd_train(args, console: Console) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+    return 0
+
+
+def cmd_explain(args, console: Console) -> int:
+    import deeprec as dr
+    from deeprec.models import build_model
+
+    fast = dr.optimize(build_model(args.model), dr.Config(smart_stage=not args.no_smart_stage))
+    print(fast.explain())
     return 0
 
 
@@ -144,7 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--cardinalities", choices=("kaggle", "small"), default="kaggle")
     tr.add_argument("--threads", type=int, help="torch intra-op threads")
     tr.add_argument("--json", help="write the result as JSON here")
+    tr.add_argument("--smart-stage", action="store_true", help="run the data-side subgraph ahead in background")
+    tr.add_argument("--capacity", type=int, default=1, help="SmartStage: batches buffered ahead")
+    tr.add_argument("--stage-threads", type=int, default=1, help="SmartStage: runner threads")
     tr.set_defaults(func=cmd_train)
+
+    ex = sub.add_parser("explain", help="show how deeprec.optimize partitions a model")
+    ex.add_argument("--model", choices=sorted(MODELS), default="dlrm")
+    ex.add_argument("--no-smart-stage", action="store_true")
+    ex.set_defaults(func=cmd_explain)
 
     ev = sub.add_parser("evaluate", help="AUC and log loss of a checkpoint on data")
     ev.add_argument("--checkpoint", required=True, help="checkpoint file or folder (latest is used)")

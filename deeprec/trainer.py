@@ -7,6 +7,7 @@ with progress, periodic atomic checkpoints, exact resume and evaluation.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -19,11 +20,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from sklearn.metrics import log_loss, roc_auc_score
 from torch.profiler import record_function
 
+from deeprec.config import Config, SmartStageOptions
 from deeprec.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from deeprec.data import open_reader
 from deeprec.errors import ConfigError
 from deeprec.models import build_model
 from deeprec.optim import make_optimizer
+from deeprec.runtime import make_prefetch_hook, optimize
 
 log = logging.getLogger("deeprec.train")
 
@@ -49,6 +52,10 @@ class TrainConfig:
     threads: int | None = None
     model_overrides: dict = field(default_factory=dict)
     progress: bool = True
+    smart_stage: bool = False  # pipeline the data-side subgraph (deeprec.optimize)
+    capacity: int = 1  # SmartStageOptions.capacity
+    stage_threads: int = 1  # SmartStageOptions.num_threads
+    main_threads: int | None = None  # intra-op threads of the step while staging (None: cores - stage)
 
     def __post_init__(self):
         if isinstance(self.data, str):
@@ -114,8 +121,14 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.model = build_model(cfg.model, **cfg.model_overrides)
         self.optimizer = make_optimizer(self.model, cfg.optimizer, cfg.lr)
+        self.fast, self._hook = None, None
+        if cfg.smart_stage:
+            self.fast = optimize(self.model, Config(
+                smart_stage=True, main_threads=cfg.main_threads,
+                smart_stage_options=SmartStageOptions(capacity=cfg.capacity, num_threads=cfg.stage_threads)))
         self.train_reader, self.eval_reader = make_readers(cfg)
         self.step = 0
+        self._reader_state = self.train_reader.state_dict()  # position of the last batch trained on
         if cfg.resume:
             self._restore()
 
@@ -123,7 +136,7 @@ class Trainer:
     def state(self) -> dict:
         return {"model_name": self.cfg.model, "model_overrides": self.cfg.model_overrides,
                 "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "step": self.step, "reader": self.train_reader.state_dict(),
+                "step": self.step, "reader": self._reader_state,
                 "torch_rng": torch.get_rng_state()}
 
     def save(self) -> str:
@@ -140,6 +153,7 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.train_reader.load_state_dict(state["reader"])
+        self._reader_state = state["reader"]
         torch.set_rng_state(state["torch_rng"])
         self.step = int(state["step"])
         self.console.print(f"resumed from {path} at step {self.step}")
@@ -155,24 +169,25 @@ class Trainer:
                             TimeElapsedColumn(), console=self.console,
                             disable=not (cfg.progress and self.console.is_terminal))
         started = time.perf_counter()
-        with progress:
+        with progress, self._batches() as batches:
             task = progress.add_task("train", total=total, completed=self.step, loss=float("nan"), rate=0.0)
-            batches = iter(self.train_reader)
             while total is None or self.step < total:
                 with record_function("deeprec.read"):
                     batch = next(batches, None)
                 if batch is None:
                     break
                 with record_function("deeprec.forward"):
-                    loss = self.model(batch)["loss"]
+                    out = self.fast(batch) if self.fast is not None else self.model(batch)
                 with record_function("deeprec.backward"):
-                    loss.backward()
+                    out["loss"].backward()
                 with record_function("deeprec.update"):
                     self.optimizer.step()
                     self.optimizer.zero_grad()
                 self.step += 1
-                rows += len(batch["label"])
-                losses.append(loss.item())
+                self._reader_state = (batch.source_state if self.fast is not None
+                                      else self.train_reader.state_dict())
+                rows += len(out["logits"])
+                losses.append(out["loss"].item())
                 rate = rows / max(time.perf_counter() - started, 1e-9)
                 progress.update(task, completed=self.step, loss=losses[-1], rate=rate)
                 if progress.disable and (self.step % 100 == 0):
@@ -186,9 +201,22 @@ class Trainer:
                   "seconds": elapsed, "samples_per_s": rows / elapsed if elapsed > 0 else 0.0,
                   "final_loss": losses[-1] if losses else math.nan,
                   "bad_rows": self.train_reader.stats.bad_rows}
+        if self._hook is not None:
+            result["stage"] = asdict(self._hook.stats)
         if self.eval_reader is not None:
             result["eval"] = evaluate(self.model, self.eval_reader)
         return result
+
+
+    @contextlib.contextmanager
+    def _batches(self):
+        """Raw batches, or StagedBatches whose stage ran ahead in background threads."""
+        if self.fast is None:
+            yield iter(self.train_reader)
+            return
+        with make_prefetch_hook(self.fast, self.train_reader) as hook:
+            self._hook = hook
+            yield iter(hook)
 
 
 def train(cfg: TrainConfig, console: Console | None = None) -> dict:

@@ -69,3 +69,18 @@ def test_console_script_is_installed():
     assert done.returncode == 0 and "--checkpoint-dir" in done.stdout
     bad = subprocess.run([exe, "train", "--model", "xyz"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "invalid choice: 'xyz'" in bad.stderr
+
+
+def test_train_with_smart_stage_and_explain(sample, tmp_path, capsys):
+    out_plain, out_staged = tmp_path / "a.json", tmp_path / "b.json"
+    base = ["train", "--model", "wdl", "--data", sample, "--steps", "12", "--batch-size", "16"]
+    assert main(base + ["--json", str(out_plain)]) == 0
+    assert main(base + ["--smart-stage", "--capacity", "3", "--stage-threads", "2", "--json", str(out_staged)]) == 0
+    plain, staged = json.loads(out_plain.read_text()), json.loads(out_staged.read_text())
+    assert staged["stage"]["taken"] == 12
+    # the step may run on fewer intra-op threads while staging: equal up to float rounding
+    assert staged["final_loss"] == pytest.approx(plain["final_loss"], rel=1e-5)
+    capsys.readouterr()
+    assert main(["explain", "--model", "dlrm"]) == 0
+    text = capsys.readouterr().out
+    assert "string_to_hash_bucket x26" in text and "data-side nodes kept in main" in text

@@ -24,6 +24,7 @@ from deeprec.graph.markers import mark_target_node, staged
 from deeprec.ops.graph_op import is_stateful_op
 
 STAGE, MAIN = 0, 1
+_NAME_KEY = "deeprec_original_name"
 
 # Moving these into a background thread would reorder draws from the global RNG.
 RANDOM_FUNCTIONS = {torch.rand, torch.randn, torch.randint, torch.randperm, torch.bernoulli,
@@ -152,7 +153,13 @@ def smart_stage_pass(gm: torch.fx.GraphModule, smart_stage: bool = True) -> Stag
     main_nodes = [n.name for n in compute if n not in region]
     if not stage_nodes:
         return StagePartition(None, gm, [], main_nodes, [], kept, manual)
-    split = split_module(gm, gm, lambda node: STAGE if node in region else MAIN)
+    for node in gm.graph.nodes:  # split_module renames; remember the original names
+        node.meta[_NAME_KEY] = node.name
+    try:
+        split = split_module(gm, gm, lambda node: STAGE if node in region else MAIN)
+    finally:
+        for node in gm.graph.nodes:
+            node.meta.pop(_NAME_KEY, None)
     boundary = next((n for n in split.graph.nodes if n.op == "call_module" and n.target == f"submod_{MAIN}"),
                     next(n for n in split.graph.nodes if n.op == "output"))
     stage, main, crossing = _cut_top_graph(split, boundary)
@@ -161,17 +168,19 @@ def smart_stage_pass(gm: torch.fx.GraphModule, smart_stage: bool = True) -> Stag
 
 
 def _name_cut_values(split: torch.fx.GraphModule, crossing) -> list[str]:
-    """Readable names for the values crossing the cut (the original node names)."""
-    names = []
+    """The original graph's names of the values crossing the cut."""
     stage_sub = getattr(split, f"submod_{STAGE}", None)
-    stage_out = None
-    if stage_sub is not None:
-        stage_out = next(n for n in stage_sub.graph.nodes if n.op == "output").args[0]
+    stage_out = next(n for n in stage_sub.graph.nodes if n.op == "output").args[0] if stage_sub else None
+
+    def original(node: torch.fx.Node) -> str:
+        return node.meta.get(_NAME_KEY, node.name)
+
+    names = []
     for node in crossing:
         if node.op == "call_function" and node.args and getattr(node.args[0], "target", None) == f"submod_{STAGE}":
-            names.append(stage_out[node.args[1]].name)  # getitem k of the stage submodule's tuple
+            names.append(original(stage_out[node.args[1]]))  # item k of the stage submodule's tuple
         elif node.op == "call_module" and node.target == f"submod_{STAGE}":
-            names.append(stage_out.name if isinstance(stage_out, torch.fx.Node) else node.name)
+            names.append(original(stage_out) if isinstance(stage_out, torch.fx.Node) else node.name)
         else:
-            names.append(node.name)
+            names.append(original(node))
     return names

@@ -158,7 +158,14 @@ def explain(fast: OptimizedModel) -> str:
         lines.append(f"  reads {len(columns)} batch columns: {', '.join(map(str, columns))}")
     lines.append("  ops: " + ", ".join(f"{t} x{c}" if c > 1 else t for t, c in counts.items()))
     lines.append(f"main ({len(part.main_nodes)} nodes, the training step)")
-    lines.append(f"cut ({len(part.cut)} values passed from stage to main): " + ", ".join(part.cut))
+    def value_name(name: str) -> str:
+        node = nodes.get(name)
+        if node is not None and node.target is operator.getitem and node.args[0].op == "placeholder":
+            return f"{node.args[0].name}[{node.args[1]!r}]"
+        return name
+
+    lines.append(f"cut ({len(part.cut)} values passed from stage to main): "
+                 + ", ".join(value_name(n) for n in part.cut))
     if part.kept:
         lines.append("data-side nodes kept in main, and why:")
         lines += [f"  {node}: {reason}" for node, reason in part.kept.items()]
