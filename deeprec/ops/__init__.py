@@ -18,7 +18,7 @@ from deeprec.ops.graph_op import is_op, is_stateful_op, op
 
 __all__ = [
     "op", "is_op", "is_stateful_op", "string_to_hash_bucket", "hash64",
-    "fill_missing", "log_normalize", "bucketize",
+    "fill_missing", "log_normalize", "bucketize", "cross_hash_bucket", "dedup",
 ]
 
 
@@ -98,3 +98,25 @@ def bucketize(x: torch.Tensor, boundaries: Sequence[float]) -> torch.Tensor:
     if bounds.numel() > 1 and not bool((bounds[1:] > bounds[:-1]).all()):
         raise ConfigError(f"bucketize boundaries must be strictly increasing, got {list(boundaries)}")
     return torch.bucketize(x, bounds, right=True)
+
+
+@op
+def cross_hash_bucket(cols: Sequence, num_buckets: int, separator: str = "_X_") -> torch.Tensor:
+    """Hash the crossed value of several raw string columns into [0, num_buckets):
+    row i hashes cols[0][i] + separator + cols[1][i] + ... (a crossed_column feature)."""
+    if len(cols) < 2:
+        raise ConfigError(f"cross_hash_bucket needs at least 2 columns, got {len(cols)}")
+    parts = [_as_object_array(c) for c in cols]
+    as_str = len(parts[0]) > 0 and isinstance(parts[0][0], str)
+    sep = np.array([separator if as_str else separator.encode()], dtype=object)
+    crossed = parts[0]
+    for part in parts[1:]:
+        crossed = crossed + sep + part  # elementwise bytes concatenation
+    return string_to_hash_bucket.__wrapped__(crossed, num_buckets)
+
+
+@op
+def dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unique ids, inverse) with unique[inverse] == ids: look up each id once."""
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    return unique, inverse
