@@ -60,7 +60,8 @@ def cmd_train(args, console: Console) -> int:
                       optimizer=args.optimizer, shuffle_buffer=args.shuffle_buffer, seed=args.seed,
                       on_bad_row=args.on_bad_row, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every, resume=args.resume, threads=args.threads,
-                      smart_stage=args.smart_stage, capacity=args.capacity, stage_threads=args.stage_threads)
+                      smart_stage=args.smart_stage, capacity=args.capacity, stage_threads=args.stage_threads,
+                      stage_executor=args.stage_executor)
     if note:
         console.print(f"[bold]{note}[/bold]")
     result = train(cfg, console)
@@ -161,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--smart-stage", action="store_true", help="run the data-side subgraph ahead in background")
     tr.add_argument("--capacity", type=int, default=1, help="SmartStage: batches buffered ahead")
     tr.add_argument("--stage-threads", type=int, default=1, help="SmartStage: runner threads")
+    tr.add_argument("--stage-executor", choices=("thread", "process"), default="thread",
+                    help="SmartStage: run the stage in threads, or in a worker process (no GIL sharing)")
     tr.set_defaults(func=cmd_train)
 
     ex = sub.add_parser("explain", help="show how deeprec.optimize partitions a model")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deeprec.errors import ConfigError, OutOfRangeError
+from deeprec.errors import ConfigError, OutOfRangeError, check_choice
 
 
 def _positive(owner: str, **values) -> None:
@@ -32,8 +32,10 @@ class SmartStageOptions:
     stage; num_clients: consumers taking results; timeout_millis: how long a
     finished result may wait for buffer space before it is dropped (logged and
     counted in `stats.dropped`); closed_exception_types end the stream cleanly;
-    ignored_exception_types skip that batch. `ordered=False` lets results of
-    several runner threads arrive in completion order (deeprec extension).
+    ignored_exception_types skip that batch. deeprec extensions: `ordered=False`
+    lets results of several runner threads arrive in completion order;
+    `executor="process"` runs the reader and the stage in one worker process,
+    so Python-level preprocessing (which holds the GIL) overlaps the step.
     """
 
     capacity: int = 1
@@ -47,6 +49,7 @@ class SmartStageOptions:
     stage_subgraph_stream_id: int = 0
     name: str | None = None
     ordered: bool = True
+    executor: str = "thread"
 
     def __post_init__(self):
         _positive("SmartStageOptions", capacity=self.capacity, num_threads=self.num_threads,
@@ -55,6 +58,10 @@ class SmartStageOptions:
                                                        self.closed_exception_types)
         self.ignored_exception_types = _exception_types("SmartStageOptions", "ignored_exception_types",
                                                         self.ignored_exception_types)
+        check_choice("SmartStageOptions.executor", self.executor, ("thread", "process"))
+        if self.executor == "process" and (self.num_threads != 1 or self.use_stage_subgraph_thread_pool):
+            raise ConfigError("SmartStageOptions(executor='process') runs one worker process: it needs "
+                              "num_threads=1 and use_stage_subgraph_thread_pool=False")
         for name in ("stage_subgraph_thread_pool_id", "stage_subgraph_stream_id"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:

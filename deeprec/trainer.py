@@ -55,6 +55,7 @@ class TrainConfig:
     smart_stage: bool = False  # pipeline the data-side subgraph (deeprec.optimize)
     capacity: int = 1  # SmartStageOptions.capacity
     stage_threads: int = 1  # SmartStageOptions.num_threads
+    stage_executor: str = "thread"  # SmartStageOptions.executor: "thread" | "process"
     main_threads: int | None = None  # intra-op threads of the step while staging (None: cores - stage)
 
     def __post_init__(self):
@@ -125,7 +126,8 @@ class Trainer:
         if cfg.smart_stage:
             self.fast = optimize(self.model, Config(
                 smart_stage=True, main_threads=cfg.main_threads,
-                smart_stage_options=SmartStageOptions(capacity=cfg.capacity, num_threads=cfg.stage_threads)))
+                smart_stage_options=SmartStageOptions(capacity=cfg.capacity, num_threads=cfg.stage_threads,
+                                                      executor=cfg.stage_executor)))
         self.train_reader, self.eval_reader = make_readers(cfg)
         self.step = 0
         self._reader_state = self.train_reader.state_dict()  # position of the last batch trained on

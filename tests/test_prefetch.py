@@ -275,3 +275,75 @@ def test_hook_sets_the_thread_budget():
     with dr.make_prefetch_hook(fast, tiny_batches()) as batches:
         assert torch.get_num_threads() == 1
         assert len(list(batches)) == 20
+
+
+# -- executor="process": the stage in a worker process ---------------------------------------
+PROCESS = dict(executor="process", capacity=3)
+
+
+def double(x):
+    return torch.tensor([x * 2])
+
+
+def test_process_executor_delivers_in_order_with_reader_position(sample):
+    reader = CriteoReader(sample, 32)
+    runner = PrefetchRunner(reader, lambda_free_stage, dr.SmartStageOptions(**PROCESS))
+    items = drain(runner)
+    runner.close()
+    assert [i.source_state["batches"] for i in items] == [1, 2, 3, 4, 5, 6, 7]
+    first = next(iter(CriteoReader(sample, 32)))
+    ids, label, names = items[0].values
+    assert torch.equal(ids, ops.string_to_hash_bucket(first["C3"], 1000)) and torch.equal(label, first["label"])
+    assert names.tolist() == first["C1"].tolist()  # raw strings cross too
+    assert not runner._process_source.process.is_alive()
+
+
+def lambda_free_stage(batch):
+    return ops.string_to_hash_bucket(batch["C3"], 1000), batch["label"], batch["C1"]
+
+
+def test_process_executor_errors_keep_their_type_and_remote_traceback():
+    runner = PrefetchRunner(range(100), stage_that_fails, dr.SmartStageOptions(**PROCESS))
+    got = []
+    with pytest.raises(KeyError, match="missing column C9") as err:
+        while True:
+            got.append(runner.take().values)
+    runner.close()
+    assert got == [0, 1, 2, 3]
+    assert "stage_that_fails" in str(err.value.__cause__)
+    assert not runner._process_source.process.is_alive()
+
+
+def stage_ignoring(x):
+    if x == 2:
+        raise ValueError("skip me")
+    return torch.tensor([x])
+
+
+def test_process_executor_closed_and_ignored(caplog):
+    opts = dict(PROCESS, ignored_exception_types=(ValueError,))
+    values, runner = run_all(range(5), stage_ignoring, **opts)
+    assert [int(v) for v in values] == [0, 1, 3, 4] and runner.stats.ignored == 1
+    assert "ValueError: skip me" in caplog.text
+
+
+def test_process_executor_model_outputs_identical_and_process_stopped_on_break(sample):
+    import multiprocessing
+
+    model = build_model("dlrm", hash_buckets=200)
+    fast = dr.optimize(model, dr.Config(smart_stage=True, smart_stage_options=dr.SmartStageOptions(**PROCESS)))
+    losses = [o["loss"].item() for o in fast.iterate(CriteoReader(sample, 40))]
+    assert losses == [model(b)["loss"].item() for b in CriteoReader(sample, 40)]
+    for i, _ in enumerate(fast.iterate(CriteoReader(sample, 10, num_epochs=None))):
+        if i == 3:
+            break
+    assert multiprocessing.active_children() == [] and deeprec_threads() == []
+
+
+def test_process_executor_needs_picklable_input():
+    with pytest.raises(dr.ConfigError, match="must be picklable"):
+        PrefetchRunner((i for i in range(3)), double, dr.SmartStageOptions(**PROCESS))
+    with pytest.raises(dr.ConfigError, match="num_threads=1"):
+        dr.SmartStageOptions(executor="process", num_threads=2)
+    with pytest.raises(dr.ConfigError, match="executor='fiber' is not allowed"):
+        dr.SmartStageOptions(executor="fiber")

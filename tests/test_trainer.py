@@ -132,3 +132,14 @@ def test_smart_stage_checkpoint_holds_the_consumed_position(tmp_path, unique_tsv
     resumed = Trainer(_cfg(unique_tsv, tmp_path / "split", small_model, steps=50, resume=True, **staged_kw))
     resumed.train()
     _assert_same_state(full, resumed)
+
+
+def test_smart_stage_in_a_process_resumes_exactly(tmp_path, unique_tsv, small_model):
+    full = Trainer(_cfg(unique_tsv, tmp_path / "full", small_model, steps=30))
+    full.train()
+    kw = dict(smart_stage=True, capacity=4, stage_executor="process", main_threads=torch.get_num_threads())
+    first = Trainer(_cfg(unique_tsv, tmp_path / "split", small_model, steps=12, **kw))
+    assert first.train()["stage"]["taken"] == 12
+    resumed = Trainer(_cfg(unique_tsv, tmp_path / "split", small_model, steps=30, resume=True, **kw))
+    resumed.train()
+    _assert_same_state(full, resumed)

@@ -29,7 +29,7 @@ def _is_user_frame(filename: str) -> bool:
 def capture(model: torch.nn.Module) -> torch.fx.GraphModule:
     """Trace `model.forward(batch)`; `deeprec.ops` and `@deeprec.op` functions are single nodes."""
     try:
-        return torch.fx.symbolic_trace(model)
+        gm = torch.fx.symbolic_trace(model)
     except Exception as err:  # anything tracing trips on: control flow, len(), numpy on proxies
         frames = [f for f in traceback.extract_tb(err.__traceback__) if _is_user_frame(f.filename)]
         where = ""
@@ -41,3 +41,10 @@ def capture(model: torch.nn.Module) -> torch.fx.GraphModule:
             "Move the code that cannot be traced (Python control flow on tensor values, numpy, "
             "len() of a batch column) into a function decorated with @deeprec.op: it then runs "
             "as one graph node.") from err
+    # `from __future__ import annotations` leaves string annotations on placeholders,
+    # which fx then emits as globals that cannot be pickled: drop them.
+    for node in gm.graph.nodes:
+        if isinstance(node.type, str):
+            node.type = None
+    gm.recompile()
+    return gm

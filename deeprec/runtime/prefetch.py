@@ -24,9 +24,14 @@ import torch
 from torch.profiler import record_function
 
 from deeprec.config import SmartStageOptions, ThreadPoolOptions
+from deeprec.runtime.stage_process import Prestaged, ProcessSource, StageBatchIgnored, StageStreamEnd
 
 log = logging.getLogger("deeprec.prefetch")
 _JOIN_SECONDS = 60.0
+
+
+def _prestaged_values(item: Prestaged):
+    return item.values
 
 
 @dataclass
@@ -58,8 +63,13 @@ class PrefetchRunner:
         self.stats = PrefetchStats()
         self.name = name or options.name or "stage"
         self._source = source
-        self._iterator = iter(source)
-        self._stage_fn = stage_fn
+        self._process_source = None
+        if options.executor == "process":  # reader and stage run in a worker process
+            self._process_source = ProcessSource(source, stage_fn, options.closed_exception_types,
+                                                 options.ignored_exception_types, self.name)
+            self._iterator, self._stage_fn = self._process_source, _prestaged_values
+        else:
+            self._iterator, self._stage_fn = iter(source), stage_fn
         self._transfer = transfer
         self._cond = threading.Condition()
         self._source_lock = threading.Lock()
@@ -99,7 +109,10 @@ class PrefetchRunner:
                 try:
                     with record_function("deeprec.stage.read"):
                         raw = next(self._iterator)
-                    state = self._source.state_dict() if hasattr(self._source, "state_dict") else None
+                    if isinstance(raw, Prestaged):
+                        state = raw.state
+                    else:
+                        state = self._source.state_dict() if hasattr(self._source, "state_dict") else None
                 except BaseException as exc:  # noqa: BLE001 - classified, never swallowed
                     self._resolve_exception(seq, exc)
                     continue
@@ -122,10 +135,10 @@ class PrefetchRunner:
     def _resolve_exception(self, seq: int, exc: BaseException) -> None:
         with self._cond:
             self._pending.discard(seq)
-            if isinstance(exc, self.options.closed_exception_types):
+            if isinstance(exc, (StopIteration, StageStreamEnd, *self.options.closed_exception_types)):
                 self._end_seq = min(self._end_seq, seq)
                 self._exhausted = True
-            elif isinstance(exc, self.options.ignored_exception_types):
+            elif isinstance(exc, (StageBatchIgnored, *self.options.ignored_exception_types)):
                 self.stats.ignored += 1
                 self._resolved_without_item.add(seq)
                 log.warning("stage %s: skipping batch %d after ignored %s: %s", self.name, seq,
@@ -215,6 +228,8 @@ class PrefetchRunner:
             self._stopped = True
             self._buffer.clear()
             self._cond.notify_all()
+        if self._process_source is not None:
+            self._process_source.close()  # a runner blocked on the pipe gets EOF and exits
         current = threading.current_thread()
         for thread in self._threads:
             if thread is not current:
