@@ -48,3 +48,15 @@ def print_table(title: str, columns: list[str], rows: list[list]) -> None:
 def plot_path(name: str) -> str:
     os.makedirs(RESULTS, exist_ok=True)
     return os.path.join(RESULTS, f"{name}.png")
+
+
+def synthetic_criteo(rows: int) -> str:
+    """Synthetic Criteo TSV (Kaggle cardinalities, seed 0), written once into results/."""
+    from deeprec.data import write_synthetic
+
+    path = os.path.join(RESULTS, f"synth-kaggle-{rows}.tsv")
+    if not os.path.exists(path):
+        os.makedirs(RESULTS, exist_ok=True)
+        write_synthetic(path + ".tmp", rows, cardinalities="kaggle", seed=0)
+        os.replace(path + ".tmp", path)
+    return path

@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from _common import plot_path, print_table, save_json, summarize
-from deeprec.data import CriteoReader, write_synthetic
+from _common import plot_path, print_table, save_json, summarize, synthetic_criteo
+from deeprec.data import CriteoReader
 from deeprec.models import build_model
 from deeprec.models.common import dense_features, sparse_ids
 from deeprec.optim import make_optimizer
@@ -47,10 +47,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
 
-    data = os.path.join(os.path.dirname(plot_path("x")), f"synth-kaggle-{args.rows}.tsv")
-    if not os.path.exists(data):
-        write_synthetic(data + ".tmp", args.rows, cardinalities="kaggle", seed=0)
-        os.replace(data + ".tmp", data)
+    data = synthetic_criteo(args.rows)
 
     names = args.models.split(",")
     setups = {}

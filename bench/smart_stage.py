@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 import deeprec as dr
-from _common import plot_path, print_table, save_json, summarize
+from _common import plot_path, print_table, save_json, summarize, synthetic_criteo
 from deeprec import ops
-from deeprec.data import CriteoReader, write_synthetic
+from deeprec.data import CriteoReader
 from deeprec.models.common import CRITEO_SPARSE, MLP, dense_features, make_embeddings
 from deeprec.optim import make_optimizer
 
@@ -95,10 +95,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=200_000)
     args = parser.parse_args()
     torch.manual_seed(0)
-    data = os.path.join(os.path.dirname(plot_path("x")), f"synth-kaggle-{args.rows}.tsv")
-    if not os.path.exists(data):
-        write_synthetic(data + ".tmp", args.rows, cardinalities="kaggle", seed=0)
-        os.replace(data + ".tmp", data)
+    data = synthetic_criteo(args.rows)
 
     model = CrossedDLRM(args.crosses)
     opt = make_optimizer(model, args.optimizer, 1e-3)

@@ -150,15 +150,21 @@ def stage_that_fails(x):
     return x
 
 
-def test_other_exceptions_reach_the_loop_with_their_traceback():
-    runner = PrefetchRunner(range(100), stage_that_fails, dr.SmartStageOptions(capacity=2, num_threads=2))
+def take_until(runner, error, match):
+    """Values taken before `error` is raised in the loop, and the raised exception."""
     got = []
-    with pytest.raises(KeyError, match="missing column C9") as err:
+    with pytest.raises(error, match=match) as err:
         while True:
             got.append(runner.take().values)
     runner.close()
+    return got, err.value
+
+
+def test_other_exceptions_reach_the_loop_with_their_traceback():
+    runner = PrefetchRunner(range(100), stage_that_fails, dr.SmartStageOptions(capacity=2, num_threads=2))
+    got, err = take_until(runner, KeyError, "missing column C9")
     assert got == [0, 1, 2, 3]
-    assert "stage_that_fails" in [f.name for f in traceback.extract_tb(err.value.__traceback__)]
+    assert "stage_that_fails" in [f.name for f in traceback.extract_tb(err.__traceback__)]
     assert not any(t.is_alive() for t in runner.threads)
 
 
@@ -304,13 +310,9 @@ def lambda_free_stage(batch):
 
 def test_process_executor_errors_keep_their_type_and_remote_traceback():
     runner = PrefetchRunner(range(100), stage_that_fails, dr.SmartStageOptions(**PROCESS))
-    got = []
-    with pytest.raises(KeyError, match="missing column C9") as err:
-        while True:
-            got.append(runner.take().values)
-    runner.close()
+    got, err = take_until(runner, KeyError, "missing column C9")
     assert got == [0, 1, 2, 3]
-    assert "stage_that_fails" in str(err.value.__cause__)
+    assert "stage_that_fails" in str(err.__cause__)
     assert not runner._process_source.process.is_alive()
 
 
