@@ -181,3 +181,12 @@ def test_parquet_errors(tmp_path):
 def test_missing_file_is_a_clear_error():
     with pytest.raises(ConfigError, match="no such file"):
         CriteoReader("/nonexistent/day_0.tsv", 8)
+
+
+def test_compressed_input_is_a_clear_error(tmp_path, sample):
+    import gzip
+
+    path = tmp_path / "day_0.gz"
+    path.write_bytes(gzip.compress(open(sample, "rb").read()))
+    with pytest.raises(DataError, match="day_0.gz: gzip-compressed input is not read directly"):
+        CriteoReader(str(path), 8)

@@ -39,6 +39,9 @@ def detect_layout(path: str) -> FileLayout:
     """TSV without header (label, I1..I13, C1..C26) or delimited text with a header."""
     with open(path, "rb") as f:
         first = f.readline()
+    if first.startswith(b"\x1f\x8b"):
+        raise DataError("gzip-compressed input is not read directly (byte-range sharding needs "
+                        "seekable text): decompress it first (gunzip -k FILE)", path)
     text = first.decode("utf-8", errors="replace").rstrip("\r\n")
     delimiter = "\t" if "\t" in text else ","
     fields = text.split(delimiter)
