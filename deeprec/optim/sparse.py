@@ -1,0 +1,155 @@
+"""Row-sparse optimizers: update only the rows a batch touched.
+
+Each optimizer applies, in place, to `weight[rows]` and its slots `slots[name][rows]`,
+with `rows` unique (duplicate ids' gradients are summed first, see `merge_rows`).
+Slots are plain tensors with one row per embedding row, owned by the embedding
+(an EmbeddingVariable grows them with its key index). The math of each class
+matches the named torch.optim class restricted to those rows (tests check it).
+
+    SGD        w -= lr * g
+    Adagrad    acc += g^2;  w -= lr * g / (sqrt(acc) + eps)              (torch.optim.Adagrad)
+    Adam       lazy Adam: m, v of touched rows only, bias correction by the
+               global step count                                          (torch.optim.SparseAdam)
+    AdamAsync  like Adam, but each row's bias correction uses that row's own
+               update count, as DeepRec's AdamAsync (no global beta powers)
+    FTRL       TF's FTRL-proximal (l1, l2, lr_power) with an optional group
+               lasso `l21` that zeroes whole rows
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def merge_rows(rows: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unique rows with the gradients of duplicates summed."""
+    unique, inverse = torch.unique(rows, return_inverse=True)
+    if unique.numel() == rows.numel():
+        order = torch.empty_like(inverse)
+        order[inverse] = torch.arange(rows.numel(), device=rows.device)
+        return unique, grads[order]
+    summed = torch.zeros(unique.numel(), *grads.shape[1:], dtype=grads.dtype, device=grads.device)
+    summed.index_add_(0, inverse, grads)
+    return unique, summed
+
+
+class RowSparseOptimizer:
+    """Base: `slots` declares per-row state as {name: initial value}."""
+
+    slots: dict[str, float] = {}
+    row_slots: dict[str, float] = {}  # one value per row (not per element)
+
+    def __init__(self, lr: float):
+        if lr <= 0:
+            raise ValueError(f"lr must be > 0, got {lr}")
+        self.lr = lr
+        self.step_count = 0
+
+    def init_slots(self, num_rows: int, dim: int, device=None) -> dict[str, torch.Tensor]:
+        out = {name: torch.full((num_rows, dim), value, device=device) for name, value in self.slots.items()}
+        out.update({name: torch.full((num_rows,), value, device=device) for name, value in self.row_slots.items()})
+        return out
+
+    def begin_step(self) -> None:
+        """Called once per optimizer step, before the rows' updates."""
+        self.step_count += 1
+
+    def update(self, weight: torch.Tensor, slots: dict, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {"step_count": self.step_count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_count = int(state["step_count"])
+
+
+class SGD(RowSparseOptimizer):
+    def update(self, weight, slots, rows, grad):
+        weight.index_add_(0, rows, grad, alpha=-self.lr)
+
+
+class Adagrad(RowSparseOptimizer):
+    def __init__(self, lr: float = 0.01, initial_accumulator_value: float = 0.1, eps: float = 1e-10):
+        super().__init__(lr)
+        self.eps = eps
+        self.slots = {"accumulator": initial_accumulator_value}
+
+    def update(self, weight, slots, rows, grad):
+        acc = slots["accumulator"]
+        new_acc = acc.index_select(0, rows).addcmul_(grad, grad)
+        acc.index_copy_(0, rows, new_acc)
+        weight.index_add_(0, rows, grad / new_acc.sqrt_().add_(self.eps), alpha=-self.lr)
+
+
+class Adam(RowSparseOptimizer):
+    def __init__(self, lr: float = 0.001, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+        super().__init__(lr)
+        self.betas, self.eps = betas, eps
+        self.slots = {"exp_avg": 0.0, "exp_avg_sq": 0.0}
+
+    def _moments(self, slots, rows, grad):
+        b1, b2 = self.betas
+        m = slots["exp_avg"].index_select(0, rows).mul_(b1).add_(grad, alpha=1 - b1)
+        v = slots["exp_avg_sq"].index_select(0, rows).mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        slots["exp_avg"].index_copy_(0, rows, m)
+        slots["exp_avg_sq"].index_copy_(0, rows, v)
+        return m, v
+
+    def update(self, weight, slots, rows, grad):
+        b1, b2 = self.betas
+        m, v = self._moments(slots, rows, grad)
+        t = self.step_count
+        step_size = self.lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+        denom = v.sqrt_().add_(self.eps * math.sqrt(1 - b2 ** t))
+        weight.index_add_(0, rows, m / denom, alpha=-step_size)
+
+
+class AdamAsync(Adam):
+    """Adam whose bias correction counts each row's own updates."""
+
+    def __init__(self, lr: float = 0.001, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+        super().__init__(lr, betas, eps)
+        self.row_slots = {"row_step": 0.0}
+
+    def update(self, weight, slots, rows, grad):
+        b1, b2 = self.betas
+        m, v = self._moments(slots, rows, grad)
+        t = slots["row_step"].index_select(0, rows).add_(1.0)
+        slots["row_step"].index_copy_(0, rows, t)
+        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+        update = (m / bc1.unsqueeze(1)) / (v / bc2.unsqueeze(1)).sqrt_().add_(self.eps)
+        weight.index_add_(0, rows, update, alpha=-self.lr)
+
+
+class FTRL(RowSparseOptimizer):
+    def __init__(self, lr: float = 0.05, lr_power: float = -0.5, l1: float = 0.0, l2: float = 0.0,
+                 l21: float = 0.0, initial_accumulator_value: float = 0.1):
+        super().__init__(lr)
+        if lr_power > 0:
+            raise ValueError(f"lr_power must be <= 0, got {lr_power}")
+        self.lr_power, self.l1, self.l2, self.l21 = lr_power, l1, l2, l21
+        self.slots = {"accumulator": initial_accumulator_value, "linear": 0.0}
+
+    def update(self, weight, slots, rows, grad):
+        acc = slots["accumulator"].index_select(0, rows)
+        linear = slots["linear"].index_select(0, rows)
+        w = weight.index_select(0, rows)
+        new_acc = acc + grad * grad
+        p = -self.lr_power
+        sigma = (new_acc.pow(p) - acc.pow(p)) / self.lr
+        linear.add_(grad - sigma * w)
+        quadratic = new_acc.pow(p) / self.lr + 2 * self.l2
+        shrunk = torch.sign(linear) * torch.clamp(linear.abs() - self.l1, min=0.0)  # l1 soft threshold
+        new_w = -shrunk / quadratic
+        if self.l21 > 0:  # group lasso: a row survives only if its shrunk linear term is large enough
+            norm = shrunk.norm(dim=1, keepdim=True)
+            threshold = self.l21 * math.sqrt(w.shape[1])
+            new_w = new_w * torch.clamp(1 - threshold / norm.clamp_min(1e-30), min=0.0)
+        slots["accumulator"].index_copy_(0, rows, new_acc)
+        slots["linear"].index_copy_(0, rows, linear)
+        weight.index_copy_(0, rows, new_w)
+
+
+OPTIMIZERS = {"sgd": SGD, "adagrad": Adagrad, "adam": Adam, "adamasync": AdamAsync, "ftrl": FTRL}
