@@ -15,6 +15,13 @@ _DEEPREC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _USER_CODE_INSIDE_DEEPREC = (os.path.join(_DEEPREC_DIR, "models"),)
 
 
+class _Tracer(torch.fx.Tracer):
+    """Modules that set `_deeprec_leaf = True` (e.g. FusedLookup) are single nodes."""
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        return getattr(m, "_deeprec_leaf", False) or super().is_leaf_module(m, module_qualified_name)
+
+
 class CaptureError(DeepRecError):
     """forward could not be traced; names the source line to change."""
 
@@ -29,7 +36,9 @@ def _is_user_frame(filename: str) -> bool:
 def capture(model: torch.nn.Module) -> torch.fx.GraphModule:
     """Trace `model.forward(batch)`; `deeprec.ops` and `@deeprec.op` functions are single nodes."""
     try:
-        gm = torch.fx.symbolic_trace(model)
+        tracer = _Tracer()
+        graph = tracer.trace(model)
+        gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as err:  # anything tracing trips on: control flow, len(), numpy on proxies
         frames = [f for f in traceback.extract_tb(err.__traceback__) if _is_user_frame(f.filename)]
         where = ""

@@ -1,0 +1,11 @@
+"""Sparse embedding layers: EmbeddingVariable (dynamic hash) and the fused EmbeddingCollection."""
+from deeprec.nn.collection import (EmbeddingCollection, EmbeddingFeature, FusedLookup,
+                                   fused_safe_embedding_lookup_sparse)
+from deeprec.nn.lookup import Ragged, prepare_bags
+from deeprec.nn.options import (CBFFilter, CounterFilter, EmbeddingVariableOption, GlobalStepEvict,
+                                InitializerOption, L2WeightEvict)
+from deeprec.nn.variable import EmbeddingVariable, KeyIndex, shard_of
+
+__all__ = ["EmbeddingCollection", "EmbeddingFeature", "FusedLookup", "fused_safe_embedding_lookup_sparse",
+           "Ragged", "prepare_bags", "CBFFilter", "CounterFilter", "EmbeddingVariableOption", "GlobalStepEvict",
+           "InitializerOption", "L2WeightEvict", "EmbeddingVariable", "KeyIndex", "shard_of"]

@@ -1,0 +1,197 @@
+"""`EmbeddingCollection`: the embeddings of many features in one fused lookup.
+
+    forward({feature: ids}) = FusedLookup(prepare_bags(ids))      -> [B, F, D]
+
+`prepare_bags` is a pure op (SmartStage runs it ahead with the rest of the
+data side); `FusedLookup` is one graph node holding the tables. Fixed-size
+tables are rows of one flat tensor (one gather for all features);
+EmbeddingVariables map keys to rows first. The backward of the gather applies
+the attached row-sparse optimizer to the unique rows only (fused), or, with
+`fused=False`, keeps the gradients until `step()` (micro-batching).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from deeprec.errors import ConfigError, check_choice
+from deeprec.nn.lookup import COMBINERS, Ragged, RowGather, pool_bags, prepare_bags
+from deeprec.nn.options import EmbeddingVariableOption
+from deeprec.nn.variable import EmbeddingVariable
+from deeprec.optim.sparse import RowSparseOptimizer, merge_rows
+
+
+@dataclass
+class EmbeddingFeature:
+    """One feature of a collection. `num_embeddings=None` makes it an EmbeddingVariable."""
+
+    name: str
+    num_embeddings: int | None = None
+    combiner: str = "sum"
+    fill_id: int | None = None  # an empty bag looks up this id; None: the bag pools to zeros
+    ev_option: EmbeddingVariableOption | None = None
+
+    def __post_init__(self):
+        check_choice(f"EmbeddingFeature({self.name!r}).combiner", self.combiner, COMBINERS)
+
+
+class FusedLookup(nn.Module):
+    """The stateful half of the lookup: tables, optimizer state, gradient sink."""
+
+    _deeprec_leaf = True  # captured as one node (deeprec.graph.capture)
+
+    def __init__(self, features: list[EmbeddingFeature], dim: int, max_norm: float | None, init_bound: float):
+        super().__init__()
+        self.features, self.dim, self.max_norm = features, dim, max_norm
+        self.dynamic = [f.num_embeddings is None for f in features]
+        if any(self.dynamic) and not all(self.dynamic):
+            raise ConfigError("an EmbeddingCollection holds either fixed-size tables or EmbeddingVariables, "
+                              "not both: make two collections")
+        self.optimizer: RowSparseOptimizer | None = None
+        self.fused = True
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self._token = torch.zeros(0, requires_grad=True)  # makes autograd call RowGather.backward
+        if all(self.dynamic):
+            self.variables = nn.ModuleList(EmbeddingVariable(dim, ev_option=f.ev_option, name=f.name)
+                                           for f in features)
+        else:
+            sizes = [f.num_embeddings for f in features]
+            self.register_buffer("table_offsets", torch.tensor([0] + sizes[:-1]).cumsum(0), persistent=False)
+            self.weight = nn.Parameter(torch.empty(sum(sizes), dim).uniform_(-init_bound, init_bound),
+                                       requires_grad=False)  # updated by the row-sparse optimizer only
+            self.register_buffer("optimizer_step", torch.zeros((), dtype=torch.int64))
+
+    # -- optimizer ------------------------------------------------------------------------
+    def attach(self, optimizer: RowSparseOptimizer, fused: bool = True) -> None:
+        self.optimizer, self.fused = optimizer, fused
+        specs = {n: (v, True) for n, v in optimizer.slots.items()}
+        specs.update({n: (v, False) for n, v in optimizer.row_slots.items()})
+        if all(self.dynamic):
+            for ev in self.variables:
+                ev.attach_slots(specs)
+        else:
+            for name, (value, per_element) in specs.items():
+                shape = self.weight.shape if per_element else self.weight.shape[:1]
+                self.register_buffer(f"slot_{name}", torch.full(shape, value))
+
+    def _slots(self) -> dict:
+        return {name[5:]: buf for name, buf in self.named_buffers(recurse=False) if name.startswith("slot_")}
+
+    def _receive(self, part: int, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        if self.optimizer is None:
+            raise RuntimeError("EmbeddingCollection has no optimizer: attach one with "
+                               "collection.set_optimizer(dr.optim.Adagrad(...)) or deeprec.optim.make_optimizer")
+        if self.fused:
+            self.optimizer.begin_step()
+            self._apply(part, rows, grad)
+        else:
+            self._pending.append((part, rows, grad))
+
+    def _apply(self, part: int, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        if all(self.dynamic):
+            ev = self.variables[part]
+            ev.global_step = self.optimizer.step_count
+            ev.apply_update(self.optimizer, *merge_rows(rows, grad))
+        else:
+            self.optimizer.update(self.weight.data, self._slots(), *merge_rows(rows, grad))
+            self.optimizer_step.fill_(self.optimizer.step_count)
+
+    def step(self) -> None:
+        """Apply the gradients kept since the last step (fused=False): rows seen in
+        several backwards are merged, then one optimizer step."""
+        if not self._pending:
+            return
+        self.optimizer.begin_step()
+        parts = sorted({p for p, _, _ in self._pending})
+        for part in parts:
+            rows = torch.cat([r for p, r, _ in self._pending if p == part])
+            grads = torch.cat([g for p, _, g in self._pending if p == part])
+            self._apply(part, rows, grads)
+        self._pending.clear()
+
+    def zero_grad(self) -> None:
+        self._pending.clear()
+
+    # -- lookup ------------------------------------------------------------------------------
+    def forward(self, uniques, inverse, offsets, weights):
+        batch = (offsets.numel() - 1) // len(self.features)
+        if all(self.dynamic):
+            gathered = []
+            for part, (ev, keys) in enumerate(zip(self.variables, uniques)):
+                rows = ev.rows_for(keys, train=self.training)
+                sink = (lambda r, g, part=part: self._receive(part, r, g))
+                gathered.append(RowGather.apply(self._token, _EVTable(ev), rows, sink))
+            rows_values = torch.cat(gathered)
+        else:
+            for f, keys in zip(self.features, uniques):
+                if keys.numel() and int(keys.max()) >= f.num_embeddings:
+                    raise IndexError(f"feature {f.name!r}: id {int(keys.max())} is out of range "
+                                     f"[0, {f.num_embeddings})")
+            rows = torch.cat([k + off for k, off in zip(uniques, self.table_offsets)])
+            rows_values = RowGather.apply(self._token, self.weight.data, rows,
+                                          lambda r, g: self._receive(0, r, g))
+        return pool_bags(rows_values, inverse, offsets, weights, batch, self.max_norm)
+
+    def get_extra_state(self):
+        return {"optimizer": self.optimizer.state_dict() if self.optimizer else None}
+
+    def set_extra_state(self, state):
+        if state and state.get("optimizer") and self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+
+
+class _EVTable:
+    """Adapter so RowGather can `index_select` an EmbeddingVariable (defaults for rows < 0)."""
+
+    def __init__(self, ev: EmbeddingVariable):
+        self.ev = ev
+
+    def index_select(self, dim: int, rows: torch.Tensor) -> torch.Tensor:
+        return self.ev.gather(rows)
+
+
+class EmbeddingCollection(nn.Module):
+    """Embeddings of many features, looked up together: ids in, [B, F, D] out.
+
+    ids per feature: a [B] tensor (one id per row), [B, L] (multi-hot; negative
+    = no id) or `Ragged(values, offsets)`. Invalid (negative) ids are pruned,
+    empty bags filled (`fill_id`) or zero, ids deduplicated, rows gathered once,
+    and bags pooled with each feature's combiner (sum | mean | sqrtn).
+    """
+
+    def __init__(self, features: list[EmbeddingFeature], embedding_dim: int, *, max_norm: float | None = None,
+                 init_bound: float = 0.05):
+        super().__init__()
+        names = [f.name for f in features]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"feature names must be unique, got {names}")
+        self.names = names
+        self.combiners = tuple(f.combiner for f in features)
+        self.fill_ids = tuple(f.fill_id for f in features)
+        self.lookup = FusedLookup(features, embedding_dim, max_norm, init_bound)
+
+    def set_optimizer(self, optimizer: RowSparseOptimizer, fused: bool = True) -> "EmbeddingCollection":
+        self.lookup.attach(optimizer, fused)
+        return self
+
+    def step(self) -> None:
+        self.lookup.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self.lookup.zero_grad()
+
+    def forward(self, ids) -> torch.Tensor:
+        ordered = [ids[name] for name in self.names] if isinstance(ids, dict) else list(ids)
+        uniques, inverse, offsets, weights = prepare_bags(ordered, self.combiners, self.fill_ids)
+        return self.lookup(uniques, inverse, offsets, weights)
+
+
+def fused_safe_embedding_lookup_sparse(collection: EmbeddingCollection, ids) -> torch.Tensor:
+    """DeepRec's fused `safe_embedding_lookup_sparse` over many features: [B, F, D]."""
+    return collection(ids)
+
+
+__all__ = ["EmbeddingCollection", "EmbeddingFeature", "FusedLookup", "Ragged", "fused_safe_embedding_lookup_sparse"]

@@ -1,0 +1,295 @@
+"""EmbeddingVariable: a dynamic hash embedding (DeepRec's EV) for unbounded int64 keys.
+
+    keys ──KeyIndex (pandas' C hash table, vectorized)──> rows ──> weight[rows]
+                     └─ unseen key: admission filter, then a new row whose
+                        initial value is row key % default_value_dim of a fixed matrix
+
+Rows live in growable tensors (weight, freq, version, dirty, optimizer slots),
+all indexed by the same row number, so an optimizer's slots share the key index.
+Eviction runs at save time and compacts the rows. A re-entrant lock makes a
+save see every row together with its slots (DeepRec issue 1023).
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+from pandas._libs.hashtable import Int64HashTable
+from torch import nn
+
+from deeprec.errors import ConfigError
+from deeprec.nn.options import CBFFilter, CounterFilter, EmbeddingVariableOption, GlobalStepEvict, L2WeightEvict
+
+PARTITION_MOD = 1000  # DeepRec partitions keys by key % 1000 % num_shards
+
+
+def shard_of(keys: torch.Tensor, num_shards: int) -> torch.Tensor:
+    return torch.remainder(torch.remainder(keys, PARTITION_MOD), num_shards)
+
+
+class KeyIndex:
+    """int64 key -> row, in pandas' khash table (vectorized lookups and inserts in C)."""
+
+    def __init__(self, capacity: int = 1024):
+        self._table = Int64HashTable(capacity)
+
+    def lookup(self, keys: np.ndarray) -> np.ndarray:
+        return self._table.lookup(keys).astype(np.int64, copy=False)
+
+    def insert(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        self._table.map_keys_to_values(keys, rows)
+
+    def nbytes(self) -> int:
+        return int(self._table.sizeof())
+
+
+def _mix64(x: np.ndarray, salt: int) -> np.ndarray:
+    x = x.astype(np.uint64) + np.uint64((0x9E3779B97F4A7C15 * (salt + 1)) & 0xFFFFFFFFFFFFFFFF)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+class EmbeddingVariable(nn.Module):
+    def __init__(self, embedding_dim: int, *, key_dtype: torch.dtype = torch.int64,
+                 ev_option: EmbeddingVariableOption | None = None, name: str | None = None,
+                 shard_index: int = 0, num_shards: int = 1, initial_capacity: int = 1024):
+        super().__init__()
+        if key_dtype not in (torch.int64, torch.int32):
+            raise ConfigError(f"key_dtype must be torch.int64 or torch.int32, got {key_dtype}")
+        if not 0 <= shard_index < num_shards:
+            raise ConfigError(f"shard_index must be in [0, num_shards={num_shards}), got {shard_index}")
+        self.embedding_dim, self.key_dtype, self.name = embedding_dim, key_dtype, name
+        self.option = ev_option or EmbeddingVariableOption()
+        self.shard_index, self.num_shards = shard_index, num_shards
+        self._defaults = self.option.init_option.matrix(embedding_dim)
+        self._no_permission = float(self.option.init_option.default_value_no_permission)
+        self._lock = threading.RLock()
+        self._slot_init: dict[str, tuple[float, bool]] = {}  # name -> (initial value, per element)
+        self.global_step = 0
+        self._reset(initial_capacity)
+
+    # -- storage ------------------------------------------------------------------------
+    def _reset(self, capacity: int) -> None:
+        capacity = max(capacity, 16)
+        self._index = KeyIndex(capacity)
+        self.size = 0
+        self.keys = torch.empty(capacity, dtype=torch.int64)
+        self.weight = torch.empty(capacity, self.embedding_dim)
+        self.freq = torch.zeros(capacity, dtype=torch.int64)
+        self.version = torch.zeros(capacity, dtype=torch.int64)
+        self.dirty = torch.zeros(capacity, dtype=torch.bool)
+        self.slots = {name: self._new_slot(name, capacity) for name in self._slot_init}
+        f = self.option.filter_option
+        self._pending_index = KeyIndex() if isinstance(f, CounterFilter) else None
+        self._pending_counts = torch.zeros(0, dtype=torch.int64)
+        self._pending_size = 0
+        if isinstance(f, CBFFilter):
+            m, self._cbf_hashes = f.sizing()
+            self._cbf = torch.zeros(m, dtype=f.counter_type)
+
+    def _new_slot(self, name: str, rows: int) -> torch.Tensor:
+        value, per_element = self._slot_init[name]
+        shape = (rows, self.embedding_dim) if per_element else (rows,)
+        return torch.full(shape, value)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.numel()
+
+    def attach_slots(self, slots: dict[str, tuple[float, bool]]) -> None:
+        """Declare optimizer state rows: {name: (initial value, per element?)}."""
+        with self._lock:
+            for name, spec in slots.items():
+                self._slot_init[name] = spec
+                fresh = self._new_slot(name, self.capacity)
+                old = self.slots.get(name)
+                if old is not None and old.shape == fresh.shape:
+                    fresh[: self.size] = old[: self.size]
+                self.slots[name] = fresh
+
+    def _grow(self, needed: int) -> None:
+        capacity = self.capacity
+        if needed <= capacity:
+            return
+        new_capacity = max(needed, 2 * capacity)
+
+        def grown(t: torch.Tensor, fill=None) -> torch.Tensor:
+            out = (torch.empty if fill is None else torch.zeros)((new_capacity, *t.shape[1:]), dtype=t.dtype)
+            out[: self.size] = t[: self.size]
+            return out
+
+        self.keys, self.weight = grown(self.keys), grown(self.weight)
+        self.freq, self.version, self.dirty = grown(self.freq, 0), grown(self.version, 0), grown(self.dirty, 0)
+        for name, slot in self.slots.items():
+            fresh = self._new_slot(name, new_capacity)  # new rows start at the slot's initial value
+            fresh[: self.size] = slot[: self.size]
+            self.slots[name] = fresh
+
+    def _insert(self, keys: torch.Tensor) -> torch.Tensor:
+        n = keys.numel()
+        self._grow(self.size + n)
+        rows = torch.arange(self.size, self.size + n, dtype=torch.int64)
+        self.keys[rows] = keys
+        self.weight[rows] = self._defaults[torch.remainder(keys, self._defaults.shape[0])]
+        self.freq[rows] = 0
+        self.version[rows] = self.global_step
+        self.dirty[rows] = True
+        self._index.insert(keys.numpy(), rows.numpy())
+        self.size += n
+        return rows
+
+    # -- admission -----------------------------------------------------------------------
+    def _admit(self, keys: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Which of these new keys (with their sightings this call) may get a row."""
+        f = self.option.filter_option
+        if f is None:
+            return torch.ones(keys.numel(), dtype=torch.bool)
+        if isinstance(f, CounterFilter):
+            slots = torch.from_numpy(self._pending_index.lookup(keys.numpy()))
+            new = slots < 0
+            if new.any():
+                n_new = int(new.sum())
+                fresh = torch.arange(self._pending_size, self._pending_size + n_new, dtype=torch.int64)
+                self._pending_index.insert(keys[new].numpy(), fresh.numpy())
+                self._pending_size += n_new
+                if self._pending_size > self._pending_counts.numel():
+                    grown = torch.zeros(max(self._pending_size, 2 * self._pending_counts.numel()), dtype=torch.int64)
+                    grown[: self._pending_counts.numel()] = self._pending_counts
+                    self._pending_counts = grown
+                slots[new] = fresh
+            self._pending_counts.index_add_(0, slots, counts)
+            return self._pending_counts[slots] >= f.filter_freq
+        positions = torch.stack([torch.from_numpy((_mix64(keys.numpy(), j) % np.uint64(self._cbf.numel()))
+                                                  .astype(np.int64)) for j in range(self._cbf_hashes)])
+        for j in range(self._cbf_hashes):
+            self._cbf.index_add_(0, positions[j], counts.to(self._cbf.dtype))
+        return self._cbf[positions].min(dim=0).values >= f.filter_freq
+
+    def rows_for(self, keys: torch.Tensor, counts: torch.Tensor | None = None, train: bool = True) -> torch.Tensor:
+        """Rows of unique `keys` (-1: not admitted or, outside training, unknown).
+
+        In training, counts the sightings and inserts admitted new keys."""
+        keys = keys.to(torch.int64)
+        with self._lock:
+            rows = torch.from_numpy(self._index.lookup(keys.numpy()))
+            if not train:
+                return rows
+            counts = torch.ones_like(keys) if counts is None else counts.to(torch.int64)
+            missing = rows < 0
+            if missing.any():
+                admitted = self._admit(keys[missing], counts[missing])
+                if admitted.any():
+                    where = torch.nonzero(missing).squeeze(1)[admitted]
+                    rows[where] = self._insert(keys[where])
+            known = rows >= 0
+            self.freq.index_add_(0, rows[known], counts[known])
+            return rows
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """weight[rows]; rows < 0 read default_value_no_permission."""
+        out = self.weight.index_select(0, rows.clamp_min(0))
+        missing = rows < 0
+        if missing.any():
+            out[missing] = self._no_permission
+        return out
+
+    def apply_update(self, optimizer, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        """Row-sparse update of admitted rows; keys not admitted receive none."""
+        keep = rows >= 0
+        rows, grad = rows[keep], grad[keep]
+        with self._lock:
+            optimizer.update(self.weight, self.slots, rows, grad)
+            self.version[rows] = self.global_step
+            self.dirty[rows] = True
+
+    # -- eviction and checkpoints ------------------------------------------------------
+    def evict(self) -> int:
+        """Apply the evict option now; returns how many keys were dropped."""
+        policy = self.option.evict_option
+        if policy is None:
+            return 0
+        with self._lock:
+            live = slice(0, self.size)
+            if isinstance(policy, GlobalStepEvict):
+                keep = self.version[live] > self.global_step - policy.steps_to_live
+            elif isinstance(policy, L2WeightEvict):
+                keep = 0.5 * self.weight[live].pow(2).sum(1) >= policy.l2_weight_threshold
+            else:
+                raise ConfigError(f"unknown evict_option {policy!r}")
+            dropped = int((~keep).sum())
+            if dropped:
+                self._load_rows(self._rows_state(torch.nonzero(keep).squeeze(1)))
+            return dropped
+
+    def _rows_state(self, rows: torch.Tensor) -> dict:
+        state = {"keys": self.keys[rows].clone(), "values": self.weight[rows].clone(),
+                 "freq": self.freq[rows].clone(), "version": self.version[rows].clone()}
+        state.update({f"slot.{name}": slot[rows].clone() for name, slot in self.slots.items()})
+        return state
+
+    def export(self, incremental: bool = False) -> dict:
+        """Keys, values, slots, frequencies and versions of every row (or only the
+        rows touched since the last full export), copied together under the lock."""
+        with self._lock:
+            if not incremental:
+                self.evict()
+            live = torch.arange(self.size)
+            rows = live[self.dirty[: self.size]] if incremental else live
+            state = self._rows_state(rows)
+            state["global_step"] = torch.tensor(self.global_step)
+            state["incremental"] = torch.tensor(incremental)
+            if not incremental:
+                self.dirty[: self.size] = False
+            return state
+
+    def _load_rows(self, state: dict, merge: bool = False) -> None:
+        keys = state["keys"].to(torch.int64)
+        mine = shard_of(keys, self.num_shards) == self.shard_index
+        pick = {k: v[mine] for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+        if not merge:
+            slot_specs = dict(self._slot_init)
+            self._reset(max(16, 2 * int(mine.sum())))
+            self._slot_init = slot_specs
+            self.slots = {name: self._new_slot(name, self.capacity) for name in slot_specs}
+        keys = pick["keys"]
+        rows = torch.from_numpy(self._index.lookup(keys.numpy()))
+        new = rows < 0
+        if new.any():
+            rows[new] = self._insert(keys[new])
+        self.weight[rows] = pick["values"]
+        self.freq[rows] = pick["freq"]
+        self.version[rows] = pick["version"]
+        self.dirty[rows] = False
+        for name, slot in self.slots.items():
+            if f"slot.{name}" in pick:
+                slot[rows] = pick[f"slot.{name}"]
+
+    def load(self, state: dict) -> None:
+        """Restore a full export (keeping this shard's keys), or merge an incremental one."""
+        with self._lock:
+            self._load_rows(state, merge=bool(state.get("incremental", torch.tensor(False))))
+            self.global_step = int(state["global_step"])
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for key, value in self.export().items():
+            destination[prefix + key] = value
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix) and "." not in
+                k[len(prefix):].replace("slot.", "", 1)}
+        if "keys" not in mine:
+            missing_keys.append(prefix + "keys")
+            return
+        self.load(mine)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.embedding_dim}, keys={self.size}, shard={self.shard_index}/{self.num_shards}"
+
+    def bytes_per_row(self) -> float:
+        """Memory of one key's row: value, key, freq, version, dirty, slots, index share."""
+        per_row = (self.embedding_dim * 4 + 8 + 8 + 8 + 1
+                   + sum(s[0].numel() * s.element_size() for s in self.slots.values()))
+        return per_row + self._index.nbytes() / max(self.size, 1)

@@ -1,0 +1,242 @@
+"""EmbeddingCollection (fused lookup) and EmbeddingVariable."""
+import threading
+
+import pytest
+import torch
+
+from deeprec import optim
+from deeprec.errors import ConfigError
+from deeprec.nn import (CBFFilter, CounterFilter, EmbeddingCollection, EmbeddingFeature, EmbeddingVariable,
+                        EmbeddingVariableOption, GlobalStepEvict, InitializerOption, L2WeightEvict, Ragged, shard_of)
+
+
+def reference_pool(table, ids, combiner, fill_id=None, max_norm=None):
+    """The unfused formula, bag by bag, differentiable by autograd."""
+    out = []
+    for bag in ids:
+        bag = [i for i in bag if i >= 0]
+        if not bag and fill_id is not None:
+            bag = [fill_id]
+        if not bag:
+            out.append(torch.zeros(table.shape[1]))
+            continue
+        rows = table[torch.tensor(bag)]
+        if max_norm is not None:
+            rows = rows * (max_norm / rows.norm(dim=1, keepdim=True).clamp_min(1e-12)).clamp(max=1.0)
+        total = rows.sum(0)
+        n = len(bag)
+        out.append(total if combiner == "sum" else total / n if combiner == "mean" else total / n ** 0.5)
+    return torch.stack(out)
+
+
+BAGS = torch.tensor([[3, 3, 1], [-1, -1, -1], [0, -1, 2], [4, 1, -5]])
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("fill_id", [None, 2])
+@pytest.mark.parametrize("max_norm", [None, 0.05])
+def test_combiners_forward_and_backward_match_the_unfused_formula(combiner, fill_id, max_norm):
+    torch.manual_seed(0)
+    coll = EmbeddingCollection([EmbeddingFeature("a", 6, combiner=combiner, fill_id=fill_id),
+                                EmbeddingFeature("b", 5, combiner="sum")], 4, max_norm=max_norm, init_bound=0.1)
+    coll.set_optimizer(optim.SGD(lr=1.0))  # w_new = w - grad: the update reveals the gradient
+    w0 = coll.lookup.weight.detach().clone()
+    b_ids = torch.tensor([1, 4, 4, 0])
+    upstream = torch.randn(4, 2, 4)
+    out = coll({"a": BAGS, "b": b_ids})
+    (out * upstream).sum().backward()
+
+    table = w0.clone().requires_grad_(True)
+    ref_a = reference_pool(table[:6], BAGS.tolist(), combiner, fill_id, max_norm)
+    ref_b = reference_pool(table[6:], b_ids.unsqueeze(1).tolist(), "sum", None, max_norm)
+    ref = torch.stack([ref_a, ref_b], dim=1)
+    assert torch.allclose(out.detach(), ref.detach(), atol=1e-6)
+    (ref * upstream).sum().backward()
+    assert torch.allclose(w0 - coll.lookup.weight.detach(), table.grad, atol=1e-6)
+
+
+def test_ragged_input_equals_padded():
+    coll = EmbeddingCollection([EmbeddingFeature("a", 6, combiner="mean")], 3)
+    padded = coll({"a": torch.tensor([[1, 2, -1], [5, -1, -1]])})
+    ragged = coll({"a": Ragged(torch.tensor([1, 2, 5]), torch.tensor([0, 2, 3]))})
+    assert torch.equal(padded, ragged)
+
+
+def test_out_of_range_id_names_the_feature():
+    coll = EmbeddingCollection([EmbeddingFeature("C7", 6)], 3)
+    with pytest.raises(IndexError, match="feature 'C7': id 9 is out of range"):
+        coll({"C7": torch.tensor([1, 9])})
+    with pytest.raises(ConfigError, match="combiner='max' is not allowed"):
+        EmbeddingFeature("x", 3, combiner="max")
+
+
+def test_unfused_steps_merge_micro_batches_into_the_full_batch_update():
+    torch.manual_seed(0)
+    ids = torch.randint(0, 8, (16, 2))
+    full = EmbeddingCollection([EmbeddingFeature("a", 8, combiner="sum")], 4).set_optimizer(optim.Adagrad(lr=0.1))
+    micro = EmbeddingCollection([EmbeddingFeature("a", 8, combiner="sum")], 4)
+    micro.set_optimizer(optim.Adagrad(lr=0.1), fused=False)  # slots exist before a restore
+    micro.load_state_dict(full.state_dict())
+    full({"a": ids}).pow(2).sum().backward()
+    for part in ids.split(4):  # same rows appear in several micro-batches: merged before one update
+        micro({"a": part}).pow(2).sum().backward()
+    micro.step()
+    assert torch.allclose(full.lookup.weight, micro.lookup.weight, atol=1e-6)
+
+
+def test_no_optimizer_is_a_clear_error():
+    coll = EmbeddingCollection([EmbeddingFeature("a", 4)], 2)
+    with pytest.raises(RuntimeError, match="has no optimizer"):
+        coll({"a": torch.tensor([1])}).sum().backward()
+
+
+# -- EmbeddingVariable ------------------------------------------------------------------------------
+def test_unbounded_keys_without_collisions_and_reproducible_init():
+    ev = EmbeddingVariable(8, ev_option=EmbeddingVariableOption(InitializerOption(default_value_dim=97, seed=3)))
+    keys = torch.unique(torch.randint(-2**62, 2**62, (50_000,)))
+    rows = ev.rows_for(keys)
+    assert ev.size == keys.numel() and torch.equal(torch.sort(rows).values, torch.arange(keys.numel()))
+    assert torch.equal(ev.rows_for(keys[::7]), rows[::7]) and ev.size == keys.numel()
+    defaults = InitializerOption(default_value_dim=97, seed=3).matrix(8)
+    assert torch.equal(ev.gather(rows[:100]), defaults[torch.remainder(keys[:100], 97)])
+    assert ev.bytes_per_row() < 200
+
+
+def test_eval_mode_does_not_insert():
+    ev = EmbeddingVariable(2, ev_option=EmbeddingVariableOption(InitializerOption(default_value_no_permission=0.5)))
+    rows = ev.rows_for(torch.tensor([5, 6]), train=False)
+    assert rows.tolist() == [-1, -1] and ev.size == 0
+    assert (ev.gather(rows) == 0.5).all()
+
+
+@pytest.mark.parametrize("filter_option", [CounterFilter(filter_freq=3),
+                                           CBFFilter(filter_freq=3, max_element_size=1000,
+                                                     false_positive_probability=0.001)])
+def test_filters_admit_after_filter_freq_sightings(filter_option):
+    opt = EmbeddingVariableOption(InitializerOption(default_value_no_permission=-1.0), filter_option=filter_option)
+    coll = EmbeddingCollection([EmbeddingFeature("a", ev_option=opt)], 2).set_optimizer(optim.SGD(lr=1.0))
+    ev = coll.lookup.variables[0]
+    for sighting in (1, 2):
+        out = coll({"a": torch.tensor([42])})
+        assert out.tolist() == [[[-1.0, -1.0]]] and ev.size == 0  # not admitted: default value
+        out.sum().backward()  # and no update
+    out = coll({"a": torch.tensor([42])})  # third sighting: admitted
+    assert ev.size == 1 and out.tolist() != [[[-1.0, -1.0]]]
+    before = ev.weight[0].clone()
+    out.sum().backward()
+    assert torch.equal(ev.weight[0], before - 1.0)
+
+
+def test_evictions_apply_at_save():
+    gs = EmbeddingVariable(2, ev_option=EmbeddingVariableOption(evict_option=GlobalStepEvict(steps_to_live=5)))
+    gs.rows_for(torch.tensor([1, 2, 3]))
+    gs.global_step = 10
+    gs.apply_update(optim.SGD(lr=0.1), torch.tensor([1]), torch.ones(1, 2))  # only key 2's row is fresh
+    state = gs.export()
+    assert state["keys"].tolist() == [2] and gs.size == 1
+    l2 = EmbeddingVariable(2, ev_option=EmbeddingVariableOption(evict_option=L2WeightEvict(0.5)))
+    rows = l2.rows_for(torch.tensor([7, 8]))
+    l2.weight[rows[0]] = torch.tensor([1.0, 1.0])  # 0.5 * 2 = 1.0 >= 0.5: kept
+    l2.weight[rows[1]] = torch.tensor([0.1, 0.1])
+    assert l2.export()["keys"].tolist() == [7]
+
+
+def _ev_model(seed=0, **ev_kw):
+    torch.manual_seed(seed)
+    return EmbeddingCollection([EmbeddingFeature("a", ev_option=EmbeddingVariableOption(**ev_kw)),
+                                EmbeddingFeature("b", combiner="mean")], 4).set_optimizer(optim.Adam(lr=0.05))
+
+
+def _batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [{"a": torch.randint(0, 10**12, (32,), generator=g) % 5000,
+             "b": torch.randint(0, 50, (32, 3), generator=g)} for _ in range(n)]
+
+
+def _train(model, batches):
+    for b in batches:
+        model(b).pow(2).sum().backward()
+
+
+def test_checkpoint_restores_and_continues_identically(tmp_path):
+    batches = _batches(30)
+    a = _ev_model()
+    _train(a, batches[:10])
+    path = tmp_path / "ev.pt"
+    torch.save(a.state_dict(), path)
+    b = _ev_model(seed=5)
+    b.load_state_dict(torch.load(path, weights_only=True))
+    _train(a, batches[10:])
+    _train(b, batches[10:])
+    for ev_a, ev_b in zip(a.lookup.variables, b.lookup.variables):
+        sa, sb = ev_a.export(), ev_b.export()
+        order_a, order_b = torch.argsort(sa["keys"]), torch.argsort(sb["keys"])
+        for key in ("keys", "values", "slot.exp_avg", "slot.exp_avg_sq", "freq", "version"):
+            assert torch.equal(sa[key][order_a], sb[key][order_b]), key
+
+
+def test_restore_onto_a_different_shard_count():
+    ev = EmbeddingVariable(3)
+    keys = torch.arange(0, 200_000, 7)
+    ev.rows_for(keys)
+    state = ev.export()
+    shards = [EmbeddingVariable(3, shard_index=i, num_shards=3) for i in range(3)]
+    for shard in shards:
+        shard.load(state)
+    got = torch.cat([s.export()["keys"] for s in shards])
+    assert torch.equal(torch.sort(got).values, keys)
+    for i, shard in enumerate(shards):
+        own = shard.export()
+        assert (shard_of(own["keys"], 3) == i).all()
+        rows = ev.rows_for(own["keys"], train=False)
+        assert torch.equal(own["values"], ev.weight[rows])
+
+
+def test_incremental_checkpoint_holds_only_touched_rows():
+    ev = EmbeddingVariable(2)
+    ev.rows_for(torch.arange(100))
+    full = ev.export()
+    ev.apply_update(optim.SGD(lr=1.0), torch.tensor([3, 50]), torch.ones(2, 2))
+    ev.rows_for(torch.tensor([1000]))  # a new key is touched too
+    inc = ev.export(incremental=True)
+    assert sorted(inc["keys"].tolist()) == [3, 50, 1000]
+    restored = EmbeddingVariable(2)
+    restored.load(full)
+    restored.load(inc)
+    for key in (3, 50, 1000, 7):
+        r1, r2 = ev.rows_for(torch.tensor([key]), train=False), restored.rows_for(torch.tensor([key]), train=False)
+        assert torch.equal(ev.weight[r1], restored.weight[r2])
+
+
+def test_save_during_inserts_snapshots_rows_with_their_slots():
+    # DeepRec issue 1023: keys inserted mid-save came back with garbage Adam slots
+    coll = EmbeddingCollection([EmbeddingFeature("a")], 4).set_optimizer(optim.Adam(lr=0.1))
+    ev = coll.lookup.variables[0]
+    stop = threading.Event()
+
+    def insert_forever():
+        k = 0
+        while not stop.is_set():
+            ev.rows_for(torch.arange(k, k + 500))
+            k += 500
+
+    thread = threading.Thread(target=insert_forever)
+    thread.start()
+    try:
+        for _ in range(20):
+            state = ev.export()
+            n = state["keys"].numel()
+            assert state["values"].shape[0] == state["slot.exp_avg"].shape[0] == n
+            assert (state["slot.exp_avg"] == 0).all() and (state["slot.exp_avg_sq"] == 0).all()
+            assert torch.isfinite(state["values"]).all()
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_flush_denormal_is_available():
+    assert torch.set_flush_denormal(True)
+    try:
+        assert (torch.tensor([1e-39]) * 1.0).item() == 0.0
+    finally:
+        torch.set_flush_denormal(False)
