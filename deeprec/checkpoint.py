@@ -54,3 +54,13 @@ def latest_checkpoint(directory: str) -> str | None:
 def load_checkpoint(path: str) -> dict:
     # weights_only: a checkpoint holds tensors and plain containers; nothing is unpickled beyond that
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_model_weights(model: torch.nn.Module, state: dict) -> None:
+    """Load a checkpoint's model state for inference: optimizer slots stored with
+    the embeddings are skipped when `model` has no optimizer attached."""
+    result = model.load_state_dict(state, strict=False)
+    unexpected = [k for k in result.unexpected_keys if ".slot_" not in k]
+    if result.missing_keys or unexpected:
+        raise RuntimeError(f"checkpoint does not fit the model: missing {result.missing_keys}, "
+                           f"unexpected {unexpected}")

@@ -61,7 +61,7 @@ def cmd_train(args, console: Console) -> int:
                       on_bad_row=args.on_bad_row, checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every, resume=args.resume, threads=args.threads,
                       smart_stage=args.smart_stage, capacity=args.capacity, stage_threads=args.stage_threads,
-                      stage_executor=args.stage_executor)
+                      stage_executor=args.stage_executor, embedding=args.embedding)
     if note:
         console.print(f"[bold]{note}[/bold]")
     result = train(cfg, console)
@@ -101,7 +101,7 @@ def cmd_explain(args, console: Console) -> int:
 
 
 def cmd_evaluate(args, console: Console) -> int:
-    from deeprec.checkpoint import latest_checkpoint, load_checkpoint
+    from deeprec.checkpoint import latest_checkpoint, load_checkpoint, load_model_weights
     from deeprec.data import open_reader
     from deeprec.models import build_model
     from deeprec.trainer import evaluate
@@ -111,7 +111,7 @@ def cmd_evaluate(args, console: Console) -> int:
         raise DeepRecError(f"no checkpoint found in {args.checkpoint}")
     state = load_checkpoint(path)
     model = build_model(state["model_name"], **state["model_overrides"])
-    model.load_state_dict(state["model"])
+    load_model_weights(model, state["model"])
     metrics = evaluate(model, open_reader(args.data, args.batch_size, on_bad_row=args.on_bad_row))
     console.print(f"{path} (step {state['step']}) on {', '.join(args.data)}")
     print(json.dumps(metrics))
@@ -156,7 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--checkpoint-every", type=int, default=0)
     tr.add_argument("--resume", action="store_true")
     tr.add_argument("--synthetic", type=int, metavar="ROWS", help="train on ROWS synthetic rows (cached)")
-    tr.add_argument("--cardinalities", choices=("kaggle", "small"), default="kaggle")
+    tr.add_argument("--cardinalities", "--synthetic-cardinalities", choices=("kaggle", "small"), default="kaggle")
+    tr.add_argument("--embedding", choices=("table", "variable", "torch"),
+                    help="fused hashed tables (default), EmbeddingVariables (no buckets), or nn.Embedding")
     tr.add_argument("--threads", type=int, help="torch intra-op threads")
     tr.add_argument("--json", help="write the result as JSON here")
     tr.add_argument("--smart-stage", action="store_true", help="run the data-side subgraph ahead in background")

@@ -57,6 +57,8 @@ class TrainConfig:
     stage_threads: int = 1  # SmartStageOptions.num_threads
     stage_executor: str = "thread"  # SmartStageOptions.executor: "thread" | "process"
     main_threads: int | None = None  # intra-op threads of the step while staging (None: cores - stage)
+    embedding: str | None = None  # table | variable | torch (None: the model's default)
+    flush_denormal: bool = True  # tiny embedding weights turn denormal and slow CPU math ~2x
 
     def __post_init__(self):
         if isinstance(self.data, str):
@@ -120,7 +122,12 @@ class Trainer:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
-        self.model = build_model(cfg.model, **cfg.model_overrides)
+        if cfg.flush_denormal:
+            torch.set_flush_denormal(True)
+        overrides = dict(cfg.model_overrides)
+        if cfg.embedding is not None:
+            overrides["embedding"] = cfg.embedding
+        self.model = build_model(cfg.model, **overrides)
         self.optimizer = make_optimizer(self.model, cfg.optimizer, cfg.lr)
         self.fast, self._hook = None, None
         if cfg.smart_stage:
@@ -136,7 +143,10 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------
     def state(self) -> dict:
-        return {"model_name": self.cfg.model, "model_overrides": self.cfg.model_overrides,
+        overrides = dict(self.cfg.model_overrides)
+        if self.cfg.embedding is not None:
+            overrides["embedding"] = self.cfg.embedding
+        return {"model_name": self.cfg.model, "model_overrides": overrides,
                 "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "step": self.step, "reader": self._reader_state,
                 "torch_rng": torch.get_rng_state()}

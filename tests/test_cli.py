@@ -84,3 +84,19 @@ def test_train_with_smart_stage_and_explain(sample, tmp_path, capsys):
     assert main(["explain", "--model", "dlrm"]) == 0
     text = capsys.readouterr().out
     assert "string_to_hash_bucket x26" in text and "data-side nodes kept in main" in text
+
+
+@pytest.mark.parametrize("embedding", ["variable", "torch"])
+def test_train_with_each_embedding_kind(embedding, tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setenv("DEEPREC_CACHE", str(tmp_path))
+    out = tmp_path / "r.json"
+    try:
+        assert main(["train", "--synthetic", "3000", "--synthetic-cardinalities", "kaggle", "--steps", "6",
+                     "--embedding", embedding, "--json", str(out)]) == 0
+        assert torch.set_flush_denormal(True)  # the trainer flushes denormals
+        assert (torch.tensor([1e-39]) * 1.0).item() == 0.0
+    finally:
+        torch.set_flush_denormal(False)
+    assert json.loads(out.read_text())["steps"] == 6

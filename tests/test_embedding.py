@@ -84,10 +84,14 @@ def test_unfused_steps_merge_micro_batches_into_the_full_batch_update():
     assert torch.allclose(full.lookup.weight, micro.lookup.weight, atol=1e-6)
 
 
-def test_no_optimizer_is_a_clear_error():
+def test_without_row_sparse_optimizer_the_gradient_is_left_sparse_for_torch_optim():
     coll = EmbeddingCollection([EmbeddingFeature("a", 4)], 2)
-    with pytest.raises(RuntimeError, match="has no optimizer"):
-        coll({"a": torch.tensor([1])}).sum().backward()
+    coll({"a": torch.tensor([1, 1, 3])}).sum().backward()
+    grad = coll.lookup.weight.grad
+    assert grad.is_sparse and grad.to_dense().tolist() == [[0, 0], [2, 2], [0, 0], [1, 1]]
+    variables = EmbeddingCollection([EmbeddingFeature("a")], 2)
+    with pytest.raises(RuntimeError, match="needs a row-sparse optimizer"):
+        variables({"a": torch.tensor([1])}).sum().backward()
 
 
 # -- EmbeddingVariable ------------------------------------------------------------------------------

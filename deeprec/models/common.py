@@ -4,6 +4,7 @@ Plain PyTorch plus `deeprec.ops`; nothing here knows about training or optimizat
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -36,11 +37,50 @@ def sparse_ids(batch: dict, sizes: Sequence[int]) -> list[torch.Tensor]:
     return [ops.string_to_hash_bucket(batch[name], n) for name, n in zip(CRITEO_SPARSE, sizes)]
 
 
+EMBEDDINGS = ("table", "variable", "torch")
+
+
 def make_embeddings(sizes: Sequence[int], dim: int, sparse: bool) -> nn.ModuleList:
+    """One plain `nn.Embedding` per feature (the `embedding="torch"` baseline)."""
     tables = nn.ModuleList(nn.Embedding(n, dim, sparse=sparse) for n in sizes)
     for table in tables:
         nn.init.uniform_(table.weight, -0.05, 0.05)
     return tables
+
+
+def make_sparse_layer(kind: str, sizes: Sequence[int], dim: int, sparse_grad: bool = True,
+                      names: Sequence[str] = CRITEO_SPARSE) -> nn.Module:
+    """The categorical features' embeddings:
+
+    table     EmbeddingCollection over fixed hashed tables (fused lookup, row-sparse update)
+    variable  EmbeddingCollection over EmbeddingVariables keyed by the 63-bit hash (no buckets)
+    torch     one nn.Embedding per feature (plain PyTorch)
+    """
+    from deeprec.errors import check_choice
+    from deeprec.nn import EmbeddingCollection, EmbeddingFeature, EmbeddingVariableOption, InitializerOption
+
+    check_choice("embedding", kind, EMBEDDINGS)
+    if kind == "torch":
+        return make_embeddings(sizes, dim, sparse_grad)
+    dynamic = kind == "variable"
+    option = EmbeddingVariableOption(InitializerOption(functools.partial(nn.init.uniform_, a=-0.05, b=0.05)))
+    features = [EmbeddingFeature(name, None, ev_option=option) if dynamic else EmbeddingFeature(name, n)
+                for name, n in zip(names, sizes)]
+    return EmbeddingCollection(features, dim)
+
+
+def categorical_ids(batch: dict, kind: str, sizes: Sequence[int]) -> list[torch.Tensor]:
+    """Hashed ids per feature: bucket ids for tables, 63-bit keys for variables."""
+    if kind == "variable":
+        return [ops.string_to_hash_key(batch[name]) for name in CRITEO_SPARSE]
+    return sparse_ids(batch, sizes)
+
+
+def embed(layer: nn.Module, ids: list[torch.Tensor]) -> torch.Tensor:
+    """[B, F, D] embeddings of the features' ids, whichever layer kind."""
+    if isinstance(layer, nn.ModuleList):
+        return torch.stack([table(i) for table, i in zip(layer, ids)], dim=1)
+    return layer(ids)
 
 
 class MLP(nn.Sequential):

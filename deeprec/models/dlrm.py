@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from deeprec.models.common import MLP, bucket_sizes, click_head, dense_features, make_embeddings, sparse_ids
+from deeprec.models.common import (MLP, bucket_sizes, categorical_ids, click_head, dense_features, embed,
+                                   make_sparse_layer)
 
 
 @dataclass
@@ -20,7 +21,8 @@ class DLRMConfig:
     bottom_mlp: tuple[int, ...] = (512, 256, 64, 16)
     top_mlp: tuple[int, ...] = (512, 256)
     batch_norm: bool = False
-    sparse_grad: bool = True  # nn.Embedding(sparse=True): gradients touch only the looked-up rows
+    embedding: str = "table"  # table | variable (EmbeddingVariable, no buckets) | torch (nn.Embedding)
+    sparse_grad: bool = True  # embedding="torch": nn.Embedding(sparse=True)
 
     def __post_init__(self):
         if self.bottom_mlp[-1] != self.embedding_dim:
@@ -33,7 +35,7 @@ class DLRM(nn.Module):
         super().__init__()
         self.config = config = config or DLRMConfig(**overrides)
         self.sizes = bucket_sizes(config.hash_buckets)
-        self.embeddings = make_embeddings(self.sizes, config.embedding_dim, config.sparse_grad)
+        self.embeddings = make_sparse_layer(config.embedding, self.sizes, config.embedding_dim, config.sparse_grad)
         self.bottom = MLP(13, config.bottom_mlp, batch_norm=config.batch_norm)
         n = len(self.sizes) + 1
         rows, cols = torch.tril_indices(n, n, offset=-1)
@@ -43,8 +45,8 @@ class DLRM(nn.Module):
 
     def forward(self, batch: dict) -> dict:
         dense = self.bottom(dense_features(batch))
-        ids = sparse_ids(batch, self.sizes)
-        vectors = torch.stack([dense] + [table(i) for table, i in zip(self.embeddings, ids)], dim=1)
+        ids = categorical_ids(batch, self.config.embedding, self.sizes)
+        vectors = torch.cat([dense.unsqueeze(1), embed(self.embeddings, ids)], dim=1)
         dots = torch.bmm(vectors, vectors.transpose(1, 2))[:, self.pair_rows, self.pair_cols]
         logits = self.top(torch.cat([dense, dots], dim=1)).squeeze(1)
         return click_head(logits, batch)

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from deeprec import ops
-from deeprec.models.common import MLP, bucket_sizes, click_head, dense_features, make_embeddings, sparse_ids
+from deeprec.models.common import (MLP, bucket_sizes, categorical_ids, click_head, dense_features, embed,
+                                   make_sparse_layer)
 
 # log1p-scale boundaries for the wide part's dense buckets
 DENSE_BOUNDARIES = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0)
@@ -24,6 +25,7 @@ class WDLConfig:
     hash_buckets: int | tuple[int, ...] = 10000
     dnn: tuple[int, ...] = (1024, 512, 256)
     dense_boundaries: tuple[float, ...] = DENSE_BOUNDARIES
+    embedding: str = "table"  # table | variable | torch
     sparse_grad: bool = True
 
 
@@ -32,8 +34,8 @@ class WDL(nn.Module):
         super().__init__()
         self.config = config = config or WDLConfig(**overrides)
         self.sizes = bucket_sizes(config.hash_buckets)
-        self.embeddings = make_embeddings(self.sizes, config.embedding_dim, config.sparse_grad)
-        self.wide_sparse = make_embeddings(self.sizes, 1, config.sparse_grad)
+        self.embeddings = make_sparse_layer(config.embedding, self.sizes, config.embedding_dim, config.sparse_grad)
+        self.wide_sparse = make_sparse_layer(config.embedding, self.sizes, 1, config.sparse_grad)
         self.n_dense_buckets = len(config.dense_boundaries) + 1
         self.wide_dense = nn.Embedding(13 * self.n_dense_buckets, 1)
         nn.init.zeros_(self.wide_dense.weight)
@@ -42,10 +44,10 @@ class WDL(nn.Module):
 
     def forward(self, batch: dict) -> dict:
         dense = dense_features(batch)
-        ids = sparse_ids(batch, self.sizes)
+        ids = categorical_ids(batch, self.config.embedding, self.sizes)
         buckets = ops.bucketize(dense, self.config.dense_boundaries) + self.dense_offsets
         wide = self.wide_dense(buckets).sum(dim=(1, 2))
-        wide = wide + sum(t(i).squeeze(1) for t, i in zip(self.wide_sparse, ids))
-        vectors = torch.cat([table(i) for table, i in zip(self.embeddings, ids)] + [dense], dim=1)
+        wide = wide + embed(self.wide_sparse, ids).sum(dim=(1, 2))
+        vectors = torch.cat([embed(self.embeddings, ids).flatten(1), dense], dim=1)
         deep = self.dnn(vectors).squeeze(1)
         return click_head(wide + deep, batch)

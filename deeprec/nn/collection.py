@@ -81,8 +81,13 @@ class FusedLookup(nn.Module):
 
     def _receive(self, part: int, rows: torch.Tensor, grad: torch.Tensor) -> None:
         if self.optimizer is None:
-            raise RuntimeError("EmbeddingCollection has no optimizer: attach one with "
-                               "collection.set_optimizer(dr.optim.Adagrad(...)) or deeprec.optim.make_optimizer")
+            if all(self.dynamic):
+                raise RuntimeError("an EmbeddingCollection of EmbeddingVariables needs a row-sparse optimizer: "
+                                   "collection.set_optimizer(dr.optim.Adagrad(...)) or deeprec.optim.make_optimizer")
+            # no row-sparse optimizer: leave a sparse gradient for torch.optim, like nn.Embedding(sparse=True)
+            sparse = torch.sparse_coo_tensor(rows.unsqueeze(0), grad, self.weight.shape)
+            self.weight.grad = sparse if self.weight.grad is None else self.weight.grad + sparse
+            return
         if self.fused:
             self.optimizer.begin_step()
             self._apply(part, rows, grad)

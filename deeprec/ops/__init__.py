@@ -18,7 +18,7 @@ from deeprec.ops.graph_op import is_op, is_stateful_op, op
 
 __all__ = [
     "op", "is_op", "is_stateful_op", "string_to_hash_bucket", "hash64",
-    "fill_missing", "log_normalize", "bucketize", "cross_hash_bucket", "dedup",
+    "fill_missing", "log_normalize", "bucketize", "cross_hash_bucket", "dedup", "string_to_hash_key",
 ]
 
 
@@ -75,6 +75,13 @@ def string_to_hash_bucket(col, num_buckets: int) -> torch.Tensor:
     buckets = hash64(col)
     np.remainder(buckets, np.uint64(num_buckets), out=buckets)
     return torch.from_numpy(buckets.view(np.int64))  # < num_buckets <= 2**63: same value
+
+
+@op
+def string_to_hash_key(col) -> torch.Tensor:
+    """The 63-bit hash of each raw string as an int64 key (>= 0): ids for an
+    EmbeddingVariable, which needs no bucket count and has no collisions."""
+    return torch.from_numpy((hash64(col) >> np.uint64(1)).view(np.int64))
 
 
 @op

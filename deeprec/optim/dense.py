@@ -42,8 +42,25 @@ class OptimizerGroup:
             opt.load_state_dict(s)
 
 
+def attach_row_sparse(model: nn.Module, name: str, lr: float) -> int:
+    """Give every EmbeddingCollection in `model` the row-sparse version of `name`
+    (its update runs fused in the backward); returns how many got one."""
+    from deeprec.nn.collection import EmbeddingCollection
+    from deeprec.optim import sparse
+
+    kinds = {"adagrad": lambda: sparse.Adagrad(lr=lr, initial_accumulator_value=0.1),
+             "adam": lambda: sparse.Adam(lr=lr), "sgd": lambda: sparse.SGD(lr=lr)}
+    collections = [m for m in model.modules() if isinstance(m, EmbeddingCollection)]
+    for collection in collections:
+        collection.set_optimizer(kinds[name]())
+    return len(collections)
+
+
 def make_optimizer(model: nn.Module, name: str = "adagrad", lr: float = 0.05) -> OptimizerGroup:
+    """torch.optim for dense parameters; EmbeddingCollections get the row-sparse
+    counterpart attached (so restore a checkpoint after calling this)."""
     check_choice("optimizer", name, OPTIMIZERS)
+    attach_row_sparse(model, name, lr)
     params = [p for p in model.parameters() if p.requires_grad]
     if name == "adagrad":
         return OptimizerGroup([torch.optim.Adagrad(params, lr=lr, initial_accumulator_value=0.1)])

@@ -160,7 +160,7 @@ def explain(fast: OptimizedModel) -> str:
     lines.append(f"main ({len(part.main_nodes)} nodes, the training step)")
     def value_name(name: str) -> str:
         node = nodes.get(name)
-        if node is not None and node.target is operator.getitem and node.args[0].op == "placeholder":
+        if node is not None and node.target is operator.getitem:
             return f"{node.args[0].name}[{node.args[1]!r}]"
         return name
 
