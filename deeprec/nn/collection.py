@@ -59,6 +59,7 @@ class FusedLookup(nn.Module):
         else:
             sizes = [f.num_embeddings for f in features]
             self.register_buffer("table_offsets", torch.tensor([0] + sizes[:-1]).cumsum(0), persistent=False)
+            self.register_buffer("table_sizes", torch.tensor(sizes), persistent=False)
             self.weight = nn.Parameter(torch.empty(sum(sizes), dim).uniform_(-init_bound, init_bound),
                                        requires_grad=False)  # updated by the row-sparse optimizer only
             self.register_buffer("optimizer_step", torch.zeros((), dtype=torch.int64))
@@ -94,13 +95,17 @@ class FusedLookup(nn.Module):
         else:
             self._pending.append((part, rows, grad))
 
-    def _apply(self, part: int, rows: torch.Tensor, grad: torch.Tensor) -> None:
+    def _apply(self, part: int, rows: torch.Tensor, grad: torch.Tensor, unique: bool = True) -> None:
+        """`unique`: the rows of one lookup are distinct already (per-feature unique
+        keys in disjoint row ranges); gradients gathered over several backwards are not."""
+        if not unique:
+            rows, grad = merge_rows(rows, grad)
         if all(self.dynamic):
             ev = self.variables[part]
             ev.global_step = self.optimizer.step_count
-            ev.apply_update(self.optimizer, *merge_rows(rows, grad))
+            ev.apply_update(self.optimizer, rows, grad)
         else:
-            self.optimizer.update(self.weight.data, self._slots(), *merge_rows(rows, grad))
+            self.optimizer.update(self.weight.data, self._slots(), rows, grad)
             self.optimizer_step.fill_(self.optimizer.step_count)
 
     def step(self) -> None:
@@ -113,7 +118,7 @@ class FusedLookup(nn.Module):
         for part in parts:
             rows = torch.cat([r for p, r, _ in self._pending if p == part])
             grads = torch.cat([g for p, _, g in self._pending if p == part])
-            self._apply(part, rows, grads)
+            self._apply(part, rows, grads, unique=False)
         self._pending.clear()
 
     def zero_grad(self) -> None:
@@ -130,11 +135,14 @@ class FusedLookup(nn.Module):
                 gathered.append(RowGather.apply(self._token, _EVTable(ev), rows, sink))
             rows_values = torch.cat(gathered)
         else:
-            for f, keys in zip(self.features, uniques):
-                if keys.numel() and int(keys.max()) >= f.num_embeddings:
-                    raise IndexError(f"feature {f.name!r}: id {int(keys.max())} is out of range "
-                                     f"[0, {f.num_embeddings})")
-            rows = torch.cat([k + off for k, off in zip(uniques, self.table_offsets)])
+            keys = torch.cat(uniques)
+            counts = torch.tensor([k.numel() for k in uniques])
+            limits = torch.repeat_interleave(self.table_sizes, counts)
+            if bool((keys >= limits).any()):  # one vectorized range check for all features
+                f = int(torch.repeat_interleave(torch.arange(len(uniques)), counts)[keys >= limits][0])
+                raise IndexError(f"feature {self.features[f].name!r}: id {int(uniques[f].max())} is out of "
+                                 f"range [0, {self.features[f].num_embeddings})")
+            rows = keys + torch.repeat_interleave(self.table_offsets, counts)
             rows_values = RowGather.apply(self._token, self.weight.data, rows,
                                           lambda r, g: self._receive(0, r, g))
         return pool_bags(rows_values, inverse, offsets, weights, batch, self.max_norm)

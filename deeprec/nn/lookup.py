@@ -109,6 +109,9 @@ def pool_bags(rows: torch.Tensor, inverse, offsets, weights, batch: int, max_nor
     if max_norm is not None:
         norms = rows.norm(dim=1, keepdim=True).clamp_min(1e-12)
         rows = rows * (max_norm / norms).clamp(max=1.0)
-    pooled = torch.nn.functional.embedding_bag(inverse, rows, offsets, mode="sum",
-                                               per_sample_weights=weights, include_last_offset=True)
+    if inverse.numel() == offsets.numel() - 1:  # one id in every bag: pooling is a gather
+        pooled = rows.index_select(0, inverse)
+    else:
+        pooled = torch.nn.functional.embedding_bag(inverse, rows, offsets, mode="sum",
+                                                   per_sample_weights=weights, include_last_offset=True)
     return pooled.view(-1, batch, rows.shape[1]).transpose(0, 1)

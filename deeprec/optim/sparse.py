@@ -1,7 +1,8 @@
 """Row-sparse optimizers: update only the rows a batch touched.
 
 Each optimizer applies, in place, to `weight[rows]` and its slots `slots[name][rows]`,
-with `rows` unique (duplicate ids' gradients are summed first, see `merge_rows`).
+with `rows` unique (duplicate ids' gradients are summed first, see `merge_rows`): so
+updates are gathers and scatters of distinct rows, never accumulating scatters.
 Slots are plain tensors with one row per embedding row, owned by the embedding
 (an EmbeddingVariable grows them with its key index). The math of each class
 matches the named torch.optim class restricted to those rows (tests check it).
@@ -67,7 +68,7 @@ class RowSparseOptimizer:
 
 class SGD(RowSparseOptimizer):
     def update(self, weight, slots, rows, grad):
-        weight.index_add_(0, rows, grad, alpha=-self.lr)
+        weight.index_copy_(0, rows, weight.index_select(0, rows).sub_(grad, alpha=self.lr))
 
 
 class Adagrad(RowSparseOptimizer):
@@ -80,7 +81,8 @@ class Adagrad(RowSparseOptimizer):
         acc = slots["accumulator"]
         new_acc = acc.index_select(0, rows).addcmul_(grad, grad)
         acc.index_copy_(0, rows, new_acc)
-        weight.index_add_(0, rows, grad / new_acc.sqrt_().add_(self.eps), alpha=-self.lr)
+        step = grad / new_acc.sqrt_().add_(self.eps)
+        weight.index_copy_(0, rows, weight.index_select(0, rows).sub_(step, alpha=self.lr))
 
 
 class Adam(RowSparseOptimizer):
@@ -103,7 +105,7 @@ class Adam(RowSparseOptimizer):
         t = self.step_count
         step_size = self.lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
         denom = v.sqrt_().add_(self.eps * math.sqrt(1 - b2 ** t))
-        weight.index_add_(0, rows, m / denom, alpha=-step_size)
+        weight.index_copy_(0, rows, weight.index_select(0, rows).sub_(m / denom, alpha=step_size))
 
 
 class AdamAsync(Adam):
@@ -120,7 +122,7 @@ class AdamAsync(Adam):
         slots["row_step"].index_copy_(0, rows, t)
         bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
         update = (m / bc1.unsqueeze(1)) / (v / bc2.unsqueeze(1)).sqrt_().add_(self.eps)
-        weight.index_add_(0, rows, update, alpha=-self.lr)
+        weight.index_copy_(0, rows, weight.index_select(0, rows).sub_(update, alpha=self.lr))
 
 
 class FTRL(RowSparseOptimizer):

@@ -1,0 +1,263 @@
+"""Sparse embeddings: key index speed, bytes per row, and DLRM step time by embedding kind.
+
+1. EmbeddingVariable key index (pandas' khash), one core: inserts/s and lookups/s of
+   existing keys (uniform and Zipf-distributed queries); bytes per row with Adagrad slots.
+2. DLRM (26 tables x dim 16, batch 512, 2 threads, Adagrad lr 0.01), pre-staged batches
+   (preprocessing excluded), at 10k rows per table and at Criteo-Kaggle cardinalities:
+      dense        nn.Embedding per table, dense gradients, torch.optim.Adagrad
+      sparse       nn.Embedding(sparse=True), torch.optim.Adagrad
+      deeprec      EmbeddingCollection: fused lookup, row-sparse Adagrad fused in backward
+      torchrec     TorchRec's FusedEmbeddingBagCollection, FBGEMM's fused exact Adagrad
+                   (an optional extra: pip install fbgemm-gpu-cpu==1.8.0 torchrec==1.9.2 --no-deps)
+3. The embedding layer alone: 26 per-table EmbeddingBag(sparse=True) + torch Adagrad
+   vs one EmbeddingCollection call with its fused update.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+
+import deeprec as dr
+from _common import plot_path, print_table, save_json, summarize, synthetic_criteo
+from deeprec import optim
+from deeprec.data import KAGGLE_CARDINALITIES, CriteoReader
+from deeprec.models import build_model
+from deeprec.nn import EmbeddingCollection, EmbeddingFeature, EmbeddingVariable, KeyIndex
+
+
+def bench_key_index(n: int) -> dict:
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    rng = np.random.default_rng(0)
+    keys = np.unique(rng.integers(0, 2**62, int(n * 1.05)))[:n].astype(np.int64)
+    rows = np.arange(n, dtype=np.int64)
+    index = KeyIndex(1024)
+    t = time.perf_counter()
+    for chunk in range(0, n, 100_000):  # streaming inserts, growing table
+        index.insert(keys[chunk:chunk + 100_000], rows[chunk:chunk + 100_000])
+    insert_rate = n / (time.perf_counter() - t)
+    out = {"keys": n, "inserts_per_s": insert_rate}
+    queries = {"uniform": keys[rng.integers(0, n, 2_000_000)],
+               "zipf": keys[np.minimum(rng.zipf(1.2, 2_000_000) - 1, n - 1)]}
+    for name, q in queries.items():
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            index.lookup(q)
+            times.append(time.perf_counter() - t)
+        out[f"lookups_per_s_{name}"] = len(q) / min(times)
+    ev = EmbeddingVariable(16)
+    ev.attach_slots({"accumulator": (0.1, True)})
+    ev.rows_for(torch.from_numpy(keys[:1_000_000]))
+    out["bytes_per_row_dim16_adagrad"] = ev.bytes_per_row()
+    os.sched_setaffinity(0, set(range(os.cpu_count())))
+    return out
+
+
+def staged_batches(path: str, n: int, sizes, embedding: str):
+    model = build_model("dlrm", hash_buckets=sizes, embedding=embedding)
+    fast = dr.optimize(model, dr.Config(smart_stage=True))
+    reader = iter(CriteoReader(path, 512, num_epochs=None, drop_remainder=True))
+    return [fast.stage(next(reader)) for _ in range(n)]
+
+
+def dlrm_variant(kind: str, sizes):
+    torch.manual_seed(0)
+    if kind == "torchrec":
+        return torchrec_dlrm(sizes)
+    embedding = {"dense": "torch", "sparse": "torch", "deeprec": "table"}[kind]
+    model = build_model("dlrm", hash_buckets=sizes, embedding=embedding, sparse_grad=kind == "sparse")
+    fast = dr.optimize(model, dr.Config(smart_stage=True))
+    opt = optim.make_optimizer(model, "adagrad", 0.01)
+    return fast, opt
+
+
+class TorchRecDLRM(torch.nn.Module):
+    """Our DLRM's MLPs and interaction around TorchRec's FusedEmbeddingBagCollection."""
+
+    def __init__(self, sizes):
+        from torchrec.modules.embedding_configs import EmbeddingBagConfig
+        from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+
+        super().__init__()
+        self.dlrm = build_model("dlrm", hash_buckets=sizes, embedding="torch")
+        self.dlrm.embeddings = torch.nn.ModuleList()  # tables live in TorchRec
+        sizes = self.dlrm.sizes
+        self.keys = [f"C{i}" for i in range(1, 27)]
+        tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=16, num_embeddings=n, feature_names=[k])
+                  for i, (k, n) in enumerate(zip(self.keys, sizes))]
+        self.ebc = FusedEmbeddingBagCollection(tables, optimizer_type=torch.optim.Adagrad,
+                                               optimizer_kwargs={"lr": 0.01})
+
+    def forward(self, inputs):
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        dense, ids, label = inputs
+        kjt = KeyedJaggedTensor(keys=self.keys, values=torch.cat(ids),
+                                lengths=torch.ones(len(ids) * len(label), dtype=torch.int32))
+        emb = self.ebc(kjt).values().view(len(label), len(ids), 16)
+        d = self.dlrm
+        bottom = d.bottom(dense)
+        v = torch.cat([bottom.unsqueeze(1), emb], dim=1)
+        dots = torch.bmm(v, v.transpose(1, 2))[:, d.pair_rows, d.pair_cols]
+        logits = d.top(torch.cat([bottom, dots], dim=1)).squeeze(1)
+        return {"loss": torch.nn.functional.binary_cross_entropy_with_logits(logits, label)}
+
+
+def torchrec_dlrm(sizes):
+    model = TorchRecDLRM(sizes)
+    dense_opt = torch.optim.Adagrad(model.dlrm.parameters(), lr=0.01)
+    return model, optim.OptimizerGroup([dense_opt])
+
+
+def torchrec_inputs(path: str, n: int, sizes):
+    from deeprec.models.common import dense_features, sparse_ids
+
+    reader = iter(CriteoReader(path, 512, num_epochs=None, drop_remainder=True))
+    model = build_model("dlrm", hash_buckets=sizes, embedding="torch")
+    out = []
+    for _ in range(n):
+        batch = next(reader)
+        out.append((dense_features(batch), sparse_ids(batch, model.sizes), batch["label"]))
+    return out
+
+
+def time_steps(fast, opt, staged, steps: int) -> list[float]:
+    out = []
+    for i in range(steps):
+        t = time.perf_counter()
+        result = fast(staged[i % len(staged)])
+        result["loss"].backward()
+        opt.step()
+        opt.zero_grad()
+        out.append((time.perf_counter() - t) * 1e3)
+    return out
+
+
+def bench_dlrm(path, sizes, kinds, steps, warmup) -> dict:
+    results = {}
+    for kind in kinds:
+        try:
+            fast, opt = dlrm_variant(kind, sizes)
+        except ImportError as err:
+            results[kind] = {"skipped": f"torchrec not installed ({err})"}
+            continue
+        if kind == "torchrec":
+            batches = torchrec_inputs(path, 20, sizes)
+        else:
+            batches = staged_batches(path, 20, sizes, "table" if kind == "deeprec" else "torch")
+        time_steps(fast, opt, batches, warmup)
+        results[kind] = summarize(time_steps(fast, opt, batches, steps))
+        del fast, opt, batches
+        gc.collect()
+    return results
+
+
+def bench_layer(steps: int) -> dict:
+    """The embedding layer alone: fwd + bwd + update, 26 x 10k x 16, batch 512."""
+    torch.manual_seed(0)
+    ids = [torch.randint(0, 10_000, (512,)) for _ in range(26)]
+    bags = [torch.nn.EmbeddingBag(10_000, 16, mode="sum", sparse=True) for _ in range(26)]
+    torch_opt = torch.optim.Adagrad([p for b in bags for p in b.parameters()], lr=0.01)
+    coll = EmbeddingCollection([EmbeddingFeature(f"C{i}", 10_000) for i in range(26)], 16)
+    coll.set_optimizer(optim.Adagrad(lr=0.01))
+    prepared = dr.nn.prepare_bags(ids, ("sum",) * 26, (None,) * 26)
+
+    def per_table():
+        out = torch.stack([b(i.unsqueeze(1)) for b, i in zip(bags, ids)], dim=1)
+        out.sum().backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
+
+    def fused():
+        coll.lookup(*prepared).sum().backward()
+
+    def fused_with_prepare():
+        coll({f"C{i}": x for i, x in enumerate(ids)}).sum().backward()
+
+    res = {}
+    for name, fn in (("per-table EmbeddingBag", per_table), ("EmbeddingCollection", fused),
+                     ("EmbeddingCollection incl. dedup", fused_with_prepare)):
+        for _ in range(5):
+            fn()
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+        res[name] = summarize(times)
+    return res
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--keys", type=int, default=2_000_000)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--kaggle-dense-steps", type=int, default=3)
+    parser.add_argument("--skip-kaggle", action="store_true")
+    args = parser.parse_args()
+    path = synthetic_criteo(200_000)
+
+    index = bench_key_index(args.keys)
+    print_table("EmbeddingVariable key index, one core",
+                ["metric", "value"],
+                [["keys", f"{index['keys']:,}"], ["inserts/s", f"{index['inserts_per_s'] / 1e6:.2f}M"],
+                 ["lookups/s (uniform)", f"{index['lookups_per_s_uniform'] / 1e6:.1f}M"],
+                 ["lookups/s (Zipf 1.2)", f"{index['lookups_per_s_zipf'] / 1e6:.1f}M"],
+                 ["bytes/row (dim 16, Adagrad)", f"{index['bytes_per_row_dim16_adagrad']:.0f}"]])
+
+    layer = bench_layer(args.steps)
+    base = layer["per-table EmbeddingBag"]["median"]
+    print_table("embedding layer alone: fwd + bwd + Adagrad update (26 x 10k x 16, batch 512)",
+                ["variant", "ms", "p10-p90", "speed-up"],
+                [[k, f"{v['median']:.2f}", f"{v['p10']:.2f}-{v['p90']:.2f}", f"{base / v['median']:.1f}x"]
+                 for k, v in layer.items()])
+
+    kinds = ["dense", "sparse", "deeprec", "torchrec"]
+    sizes = {"10k": 10_000}
+    if not args.skip_kaggle:
+        sizes["kaggle"] = KAGGLE_CARDINALITIES
+    dlrm = {}
+    for label, size in sizes.items():
+        steps = args.steps
+        res = {}
+        for kind in kinds:
+            n = args.kaggle_dense_steps if (label == "kaggle" and kind == "dense") else steps
+            res.update(bench_dlrm(path, size, [kind], n, warmup=1 if n < 5 else 3))
+        dlrm[label] = res
+    rows = []
+    for label, res in dlrm.items():
+        ours = res["deeprec"]["median"]
+        for kind, r in res.items():
+            if "skipped" in r:
+                rows.append([label, kind, "skipped", "", r["skipped"][:60]])
+                continue
+            rows.append([label, kind, f"{r['median']:.1f}", f"{r['p10']:.1f}-{r['p90']:.1f}",
+                         f"{r['median'] / ours:.2f}x"])
+    print_table("DLRM step, batch 512, Adagrad, 2 threads (ms; last column: variant / deeprec)",
+                ["tables", "variant", "ms/step", "p10-p90", "vs deeprec"], rows)
+    print("saved", save_json("embedding", {"key_index": index, "layer": layer, "dlrm": dlrm}))
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(dlrm), figsize=(5 * len(dlrm), 3))
+    for ax, (label, res) in zip(np.atleast_1d(axes), dlrm.items()):
+        names = [k for k, r in res.items() if "skipped" not in r]
+        ax.bar(names, [res[k]["median"] for k in names], color="#66c2a5")
+        ax.set_yscale("log")
+        ax.set_title(f"DLRM step, {label} rows/table")
+        ax.set_ylabel("ms (median, log scale)")
+    fig.tight_layout()
+    fig.savefig(plot_path("embedding"))
+    print("saved", plot_path("embedding"))
+
+
+if __name__ == "__main__":
+    main()
