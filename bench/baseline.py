@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--optimizer", default="adam", help="as deeprec train: adam | adagrad | sgd")
+    parser.add_argument("--embedding", default="torch", help="torch (plain nn.Embedding, the baseline) | table")
     args = parser.parse_args()
     torch.manual_seed(0)
 
@@ -52,7 +53,7 @@ def main() -> None:
     names = args.models.split(",")
     setups = {}
     for name in names:
-        model = build_model(name)
+        model = build_model(name, embedding=args.embedding)
         reader = CriteoReader(data, args.batch_size, num_epochs=None, drop_remainder=True)
         setups[name] = (model, make_optimizer(model, args.optimizer, 1e-3), iter(reader))
     parts = {name: {"read": [], "preprocess": [], "compute": [], "step": []} for name in names}
@@ -61,7 +62,7 @@ def main() -> None:
     def step(name, record: bool):
         model, opt, batches = setups[name]
         batch, t_read = timed(lambda: next(batches))
-        _, t_pre = timed(lambda: (dense_features(batch), sparse_ids(batch, model.sizes)))
+        _, t_pre = timed(lambda: (dense_features(batch), sparse_ids(batch, model.sizes)))  # the model's own calls
 
         def train_step():
             model(batch)["loss"].backward()

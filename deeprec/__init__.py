@@ -6,14 +6,18 @@
     for out in fast.iterate(dr.data.CriteoReader("day_0.tsv", batch_size=512)):
         out["loss"].backward(); ...
 """
-from deeprec import data, errors, models, ops
+from deeprec import data, errors, models, nn, ops, optim
 from deeprec.config import Config, SmartStageOptions, ThreadPoolOptions
 from deeprec.errors import ConfigError, DataError, DeepRecError, OutOfRangeError
 from deeprec.graph import CaptureError, mark_target_node, staged
+from deeprec.nn import (CBFFilter, CounterFilter, EmbeddingCollection, EmbeddingVariable, EmbeddingVariableOption,
+                        GlobalStepEvict, InitializerOption, L2WeightEvict, fused_safe_embedding_lookup_sparse)
 from deeprec.ops import op
 from deeprec.runtime import OptimizedModel, make_prefetch_hook, optimize
 
 __version__ = "0.1.0"
-__all__ = ["data", "errors", "models", "ops", "op", "Config", "SmartStageOptions", "ThreadPoolOptions",
+__all__ = ["data", "errors", "models", "nn", "ops", "optim", "op", "CBFFilter", "CounterFilter",
+           "EmbeddingCollection", "EmbeddingVariable", "EmbeddingVariableOption", "GlobalStepEvict",
+           "InitializerOption", "L2WeightEvict", "fused_safe_embedding_lookup_sparse", "Config", "SmartStageOptions", "ThreadPoolOptions",
            "ConfigError", "DataError", "DeepRecError", "OutOfRangeError", "CaptureError",
            "mark_target_node", "staged", "OptimizedModel", "make_prefetch_hook", "optimize", "__version__"]

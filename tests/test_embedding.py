@@ -194,6 +194,22 @@ def test_restore_onto_a_different_shard_count():
         assert (shard_of(own["keys"], 3) == i).all()
         rows = ev.rows_for(own["keys"], train=False)
         assert torch.equal(own["values"], ev.weight[rows])
+    # training continues identically: each key's update goes to the shard that owns it
+    opt_one, opt_sharded = optim.Adagrad(lr=0.1), optim.Adagrad(lr=0.1)
+    ev.attach_slots({"accumulator": (0.1, True)})
+    for shard in shards:
+        shard.attach_slots({"accumulator": (0.1, True)})
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        keys_step = torch.unique(keys[torch.randint(0, keys.numel(), (500,), generator=g)])
+        grad = torch.randn(keys_step.numel(), 3, generator=g)
+        ev.apply_update(opt_one, ev.rows_for(keys_step, train=False), grad)
+        for i, shard in enumerate(shards):
+            mine = shard_of(keys_step, 3) == i
+            shard.apply_update(opt_sharded, shard.rows_for(keys_step[mine], train=False), grad[mine])
+    for shard in shards:
+        own = shard.export()
+        assert torch.equal(own["values"], ev.weight[ev.rows_for(own["keys"], train=False)])
 
 
 def test_incremental_checkpoint_holds_only_touched_rows():

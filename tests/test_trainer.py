@@ -25,14 +25,16 @@ def _assert_same_state(a: Trainer, b: Trainer):
                 assert torch.equal(torch.as_tensor(value), torch.as_tensor(ob["state"][key][field])), (key, field)
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "adagrad"])
-def test_resume_equals_uninterrupted_run(tmp_path, unique_tsv, small_model, optimizer):
+@pytest.mark.parametrize("optimizer,embedding", [("adam", "table"), ("adagrad", "table"),
+                                                 ("adam", "variable"), ("sgd", "torch")])
+def test_resume_equals_uninterrupted_run(tmp_path, unique_tsv, small_model, optimizer, embedding):
     # 10,000 rows / 256 = 40 batches per epoch: 55 steps cross an epoch boundary.
-    full = Trainer(_cfg(unique_tsv, tmp_path / "full", small_model, steps=55, optimizer=optimizer))
+    kw = dict(optimizer=optimizer, embedding=embedding)
+    full = Trainer(_cfg(unique_tsv, tmp_path / "full", small_model, steps=55, **kw))
     full.train()
-    first = Trainer(_cfg(unique_tsv, tmp_path / "split", small_model, steps=23, optimizer=optimizer))
+    first = Trainer(_cfg(unique_tsv, tmp_path / "split", small_model, steps=23, **kw))
     first.train()
-    resumed = Trainer(_cfg(unique_tsv, tmp_path / "split", small_model, steps=55, optimizer=optimizer, resume=True))
+    resumed = Trainer(_cfg(unique_tsv, tmp_path / "split", small_model, steps=55, resume=True, **kw))
     assert resumed.step == 23
     result = resumed.train()
     assert result["steps"] == 55 and result["steps_this_run"] == 32

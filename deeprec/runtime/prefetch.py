@@ -167,7 +167,7 @@ class PrefetchRunner:
                                 "timeout_millis=%d", self.name, item.seq, self.options.timeout_millis)
                     self._cond.notify_all()
                     return
-                self._cond.wait(remaining)
+                self._cond.wait(min(remaining, 0.5))  # notified on every take; the poll is a safety net
             self._pending.discard(item.seq)
             if not self._stopped:
                 self._buffer[item.seq] = item
@@ -183,6 +183,7 @@ class PrefetchRunner:
                     while self._next_take in self._resolved_without_item:
                         self._resolved_without_item.discard(self._next_take)
                         self._next_take += 1
+                        self._cond.notify_all()  # the put window moved: wake waiting runners
                     seq = self._next_take
                     if seq in self._errors:
                         raise self._fail(seq)
