@@ -11,12 +11,14 @@ import tempfile
 
 import torch
 
-_NAME = re.compile(r"^checkpoint-(\d+)\.pt$")
+_NAME = re.compile(r"^(checkpoint|incremental)-(\d+)\.pt$")
 
 
-def save_checkpoint(directory: str, step: int, state: dict, keep: int = 3) -> str:
+def save_checkpoint(directory: str, step: int, state: dict, keep: int = 3, kind: str = "checkpoint") -> str:
+    """kind "checkpoint": a full save (older incremental ones become obsolete and are
+    removed); kind "incremental": the rows touched since the last full save."""
     os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"checkpoint-{step:09d}.pt")
+    path = os.path.join(directory, f"{kind}-{step:09d}.pt")
     fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -33,17 +35,26 @@ def save_checkpoint(directory: str, step: int, state: dict, keep: int = 3) -> st
         os.fsync(dir_fd)  # make the rename itself durable
     finally:
         os.close(dir_fd)
-    for old in list_checkpoints(directory)[:-keep]:
-        os.unlink(old)
+    if kind == "checkpoint":
+        for old in list_checkpoints(directory)[:-keep]:
+            os.unlink(old)
+        for old in list_checkpoints(directory, "incremental"):
+            if checkpoint_step(old) <= step:
+                os.unlink(old)
     return path
 
 
-def list_checkpoints(directory: str) -> list[str]:
-    """Complete checkpoints, oldest first."""
+def list_checkpoints(directory: str, kind: str = "checkpoint") -> list[str]:
+    """Complete checkpoints of one kind, oldest first."""
     if not os.path.isdir(directory):
         return []
-    found = sorted((int(m.group(1)), name) for name in os.listdir(directory) if (m := _NAME.match(name)))
+    found = sorted((int(m.group(2)), name) for name in os.listdir(directory)
+                   if (m := _NAME.match(name)) and m.group(1) == kind)
     return [os.path.join(directory, name) for _, name in found]
+
+
+def checkpoint_step(path: str) -> int:
+    return int(_NAME.match(os.path.basename(path)).group(2))
 
 
 def latest_checkpoint(directory: str) -> str | None:

@@ -59,7 +59,8 @@ def cmd_train(args, console: Console) -> int:
                       steps=args.steps, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                       optimizer=args.optimizer, shuffle_buffer=args.shuffle_buffer, seed=args.seed,
                       on_bad_row=args.on_bad_row, checkpoint_dir=args.checkpoint_dir,
-                      checkpoint_every=args.checkpoint_every, resume=args.resume, threads=args.threads,
+                      checkpoint_every=args.checkpoint_every, incremental_every=args.incremental_every,
+                      resume=args.resume, threads=args.threads,
                       smart_stage=args.smart_stage, capacity=args.capacity, stage_threads=args.stage_threads,
                       stage_executor=args.stage_executor, embedding=args.embedding)
     if note:
@@ -154,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--on-bad-row", choices=("raise", "skip"), default="raise")
     tr.add_argument("--checkpoint-dir")
     tr.add_argument("--checkpoint-every", type=int, default=0)
+    tr.add_argument("--incremental-every", type=int, default=0,
+                    help="steps between incremental checkpoints (EmbeddingVariable rows touched since the last full one)")
     tr.add_argument("--resume", action="store_true")
     tr.add_argument("--synthetic", type=int, metavar="ROWS", help="train on ROWS synthetic rows (cached)")
     tr.add_argument("--cardinalities", "--synthetic-cardinalities", choices=("kaggle", "small"), default="kaggle")

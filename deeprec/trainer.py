@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -21,10 +22,12 @@ from sklearn.metrics import log_loss, roc_auc_score
 from torch.profiler import record_function
 
 from deeprec.config import Config, SmartStageOptions
-from deeprec.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from deeprec.checkpoint import (checkpoint_step, latest_checkpoint, list_checkpoints, load_checkpoint,
+                                save_checkpoint)
 from deeprec.data import open_reader
 from deeprec.errors import ConfigError
 from deeprec.models import build_model
+from deeprec.nn import incremental_state_dict
 from deeprec.optim import make_optimizer
 from deeprec.runtime import make_prefetch_hook, optimize
 
@@ -48,6 +51,7 @@ class TrainConfig:
     on_bad_row: str = "raise"
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # steps between checkpoints; 0 = only at the end
+    incremental_every: int = 0  # steps between incremental checkpoints (EmbeddingVariable rows touched since)
     resume: bool = False
     threads: int | None = None
     model_overrides: dict = field(default_factory=dict)
@@ -151,24 +155,33 @@ class Trainer:
                 "step": self.step, "reader": self._reader_state,
                 "torch_rng": torch.get_rng_state()}
 
-    def save(self) -> str:
+    def save(self, incremental: bool = False) -> str:
+        if incremental:
+            with incremental_state_dict():
+                return save_checkpoint(self.cfg.checkpoint_dir, self.step, self.state(), kind="incremental")
         return save_checkpoint(self.cfg.checkpoint_dir, self.step, self.state())
 
     def _restore(self) -> None:
-        path = latest_checkpoint(self.cfg.checkpoint_dir)
-        if path is None:
-            self.console.print(f"no checkpoint in {self.cfg.checkpoint_dir}: starting from step 0")
+        """The latest full checkpoint, then the incremental ones after it, in order."""
+        directory = self.cfg.checkpoint_dir
+        full = latest_checkpoint(directory)
+        base = checkpoint_step(full) if full else -1
+        chain = ([full] if full else []) + [p for p in list_checkpoints(directory, "incremental")
+                                             if checkpoint_step(p) > base]
+        if not chain:
+            self.console.print(f"no checkpoint in {directory}: starting from step 0")
             return
-        state = load_checkpoint(path)
-        if state["model_name"] != self.cfg.model:
-            raise ConfigError(f"{path} holds a {state['model_name']!r} model, not {self.cfg.model!r}")
-        self.model.load_state_dict(state["model"])
+        for path in chain:
+            state = load_checkpoint(path)
+            if state["model_name"] != self.cfg.model:
+                raise ConfigError(f"{path} holds a {state['model_name']!r} model, not {self.cfg.model!r}")
+            self.model.load_state_dict(state["model"])  # EmbeddingVariables merge incremental rows
         self.optimizer.load_state_dict(state["optimizer"])
         self.train_reader.load_state_dict(state["reader"])
         self._reader_state = state["reader"]
         torch.set_rng_state(state["torch_rng"])
         self.step = int(state["step"])
-        self.console.print(f"resumed from {path} at step {self.step}")
+        self.console.print(f"resumed from {', '.join(map(os.path.basename, chain))} at step {self.step}")
 
     # -- loop ------------------------------------------------------------------------
     def train(self) -> dict:
@@ -206,6 +219,8 @@ class Trainer:
                     self.console.print(f"step {self.step} loss {losses[-1]:.4f} {rate:,.0f} samples/s")
                 if cfg.checkpoint_dir and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                     self.save()
+                elif cfg.checkpoint_dir and cfg.incremental_every and self.step % cfg.incremental_every == 0:
+                    self.save(incremental=True)
         elapsed = time.perf_counter() - started
         if cfg.checkpoint_dir and self.step > start_step:
             self.save()

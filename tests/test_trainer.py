@@ -145,3 +145,31 @@ def test_smart_stage_in_a_process_resumes_exactly(tmp_path, unique_tsv, small_mo
     resumed = Trainer(_cfg(unique_tsv, tmp_path / "split", small_model, steps=30, resume=True, **kw))
     resumed.train()
     _assert_same_state(full, resumed)
+
+
+def test_incremental_checkpoints_restore_mid_training(tmp_path, unique_tsv, small_model):
+    kw = dict(embedding="variable", optimizer="adagrad")
+    full = Trainer(_cfg(unique_tsv, tmp_path / "full", small_model, steps=50, **kw))
+    full.train()
+    crashed = Trainer(_cfg(unique_tsv, tmp_path / "inc", small_model, steps=37, checkpoint_every=20,
+                           incremental_every=5, **kw))
+    save = crashed.save
+
+    def crash_at_the_final_save(incremental=False):
+        if not incremental and crashed.step == 37:
+            raise RuntimeError("killed")
+        return save(incremental)
+
+    crashed.save = crash_at_the_final_save
+    with pytest.raises(RuntimeError, match="killed"):
+        crashed.train()
+    incs = list_checkpoints(str(tmp_path / "inc"), "incremental")
+    assert [os.path.basename(p) for p in incs] == [f"incremental-0000000{s}.pt" for s in (25, 30, 35)]
+    inc_rows = load_checkpoint(incs[0])["model"]["embeddings.lookup.variables.0.keys"].numel()
+    full_rows = load_checkpoint(latest_checkpoint(str(tmp_path / "inc")))["model"][
+        "embeddings.lookup.variables.0.keys"].numel()
+    assert 0 < inc_rows < full_rows  # only the rows touched in 5 steps
+    resumed = Trainer(_cfg(unique_tsv, tmp_path / "inc", small_model, steps=50, resume=True, **kw))
+    assert resumed.step == 35
+    resumed.train()
+    _assert_same_state(full, resumed)

@@ -4,8 +4,9 @@ from deeprec.nn.collection import (EmbeddingCollection, EmbeddingFeature, FusedL
 from deeprec.nn.lookup import Ragged, prepare_bags
 from deeprec.nn.options import (CBFFilter, CounterFilter, EmbeddingVariableOption, GlobalStepEvict,
                                 InitializerOption, L2WeightEvict)
-from deeprec.nn.variable import EmbeddingVariable, KeyIndex, shard_of
+from deeprec.nn.variable import EmbeddingVariable, KeyIndex, incremental_state_dict, shard_of
 
 __all__ = ["EmbeddingCollection", "EmbeddingFeature", "FusedLookup", "fused_safe_embedding_lookup_sparse",
            "Ragged", "prepare_bags", "CBFFilter", "CounterFilter", "EmbeddingVariableOption", "GlobalStepEvict",
-           "InitializerOption", "L2WeightEvict", "EmbeddingVariable", "KeyIndex", "shard_of"]
+           "InitializerOption", "L2WeightEvict", "EmbeddingVariable", "KeyIndex", "incremental_state_dict",
+           "shard_of"]

@@ -11,6 +11,7 @@ save see every row together with its slots (DeepRec issue 1023).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -22,6 +23,19 @@ from deeprec.errors import ConfigError
 from deeprec.nn.options import CBFFilter, CounterFilter, EmbeddingVariableOption, GlobalStepEvict, L2WeightEvict
 
 PARTITION_MOD = 1000  # DeepRec partitions keys by key % 1000 % num_shards
+_SAVING = threading.local()
+
+
+@contextlib.contextmanager
+def incremental_state_dict():
+    """Inside this block, `state_dict()` holds each EmbeddingVariable's rows touched
+    since its last full export instead of all rows (an incremental checkpoint)."""
+    previous = getattr(_SAVING, "incremental", False)
+    _SAVING.incremental = True
+    try:
+        yield
+    finally:
+        _SAVING.incremental = previous
 
 
 def shard_of(keys: torch.Tensor, num_shards: int) -> torch.Tensor:
@@ -273,7 +287,7 @@ class EmbeddingVariable(nn.Module):
             self.global_step = int(state["global_step"])
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        for key, value in self.export().items():
+        for key, value in self.export(incremental=getattr(_SAVING, "incremental", False)).items():
             destination[prefix + key] = value
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
