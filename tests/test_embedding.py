@@ -106,6 +106,14 @@ def test_unbounded_keys_without_collisions_and_reproducible_init():
     assert ev.bytes_per_row() < 200
 
 
+def test_frequency_counts_every_occurrence():
+    coll = EmbeddingCollection([EmbeddingFeature("a", ev_option=EmbeddingVariableOption(
+        filter_option=CounterFilter(filter_freq=3)))], 2).set_optimizer(optim.SGD(lr=0.1))
+    coll({"a": torch.tensor([[9, 9], [9, 4]])})  # key 9 seen 3 times in one batch: admitted
+    ev = coll.lookup.variables[0]
+    assert ev.size == 1 and ev.freq[0] == 3 and int(ev.keys[0]) == 9
+
+
 def test_eval_mode_does_not_insert():
     ev = EmbeddingVariable(2, ev_option=EmbeddingVariableOption(InitializerOption(default_value_no_permission=0.5)))
     rows = ev.rows_for(torch.tensor([5, 6]), train=False)

@@ -171,7 +171,7 @@ def test_explain_reports_partition_and_reasons():
     text = dr.optimize(build_model("dlrm"), dr.Config(smart_stage=True)).explain()
     assert "string_to_hash_bucket x26" in text and "fill_missing x13" in text
     assert "prepare_bags" in text.split("main (")[0]  # dedup and bag layout run in the stage
-    assert "cut (6 values" in text and "batch['label']" in text and "prepare_bags[1]" in text
+    assert "cut (7 values" in text and "batch['label']" in text and "prepare_bags[1]" in text
     assert "embeddings_lookup: depends on parameter embeddings.lookup.weight" in text
     off = dr.optimize(build_model("dlrm")).explain()
     assert "SmartStage off" in off

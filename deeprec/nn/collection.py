@@ -125,12 +125,12 @@ class FusedLookup(nn.Module):
         self._pending.clear()
 
     # -- lookup ------------------------------------------------------------------------------
-    def forward(self, uniques, inverse, offsets, weights):
+    def forward(self, uniques, inverse, offsets, weights, counts):
         batch = (offsets.numel() - 1) // len(self.features)
         if all(self.dynamic):
             gathered = []
-            for part, (ev, keys) in enumerate(zip(self.variables, uniques)):
-                rows = ev.rows_for(keys, train=self.training)
+            for part, (ev, keys, seen) in enumerate(zip(self.variables, uniques, counts)):
+                rows = ev.rows_for(keys, seen, train=self.training)  # frequency counts every occurrence
                 sink = (lambda r, g, part=part: self._receive(part, r, g))
                 gathered.append(RowGather.apply(self._token, _EVTable(ev), rows, sink))
             rows_values = torch.cat(gathered)
@@ -198,8 +198,8 @@ class EmbeddingCollection(nn.Module):
 
     def forward(self, ids) -> torch.Tensor:
         ordered = [ids[name] for name in self.names] if isinstance(ids, dict) else list(ids)
-        uniques, inverse, offsets, weights = prepare_bags(ordered, self.combiners, self.fill_ids)
-        return self.lookup(uniques, inverse, offsets, weights)
+        uniques, inverse, offsets, weights, counts = prepare_bags(ordered, self.combiners, self.fill_ids)
+        return self.lookup(uniques, inverse, offsets, weights, counts)
 
 
 def fused_safe_embedding_lookup_sparse(collection: EmbeddingCollection, ids) -> torch.Tensor:

@@ -46,9 +46,10 @@ def prepare_bags(ids: Sequence, combiners: Sequence[str], fill_ids: Sequence):
     """Prune negative ids, fill empty bags, dedup per feature, and lay out all
     F x B bags (feature-major) for one bag reduction.
 
-    Returns (unique keys per feature, global inverse, offsets [F*B + 1], per-sample weights).
+    Returns (unique keys per feature, global inverse, offsets [F*B + 1], per-sample weights,
+    occurrences of each unique key per feature).
     """
-    uniques, inverses, lengths_all, weights = [], [], [], []
+    uniques, inverses, lengths_all, weights, counts = [], [], [], [], []
     base = 0
     batch = None
     for f, (feature_ids, combiner, fill) in enumerate(zip(ids, combiners, fill_ids)):
@@ -69,8 +70,9 @@ def prepare_bags(ids: Sequence, combiners: Sequence[str], fill_ids: Sequence):
                 order = torch.argsort(bag_of, stable=True)
                 values, bag_of = values[order], bag_of[order]
                 lengths = torch.bincount(bag_of, minlength=lengths.numel())
-        unique, inverse = torch.unique(values, return_inverse=True)
+        unique, inverse, count = torch.unique(values, return_inverse=True, return_counts=True)
         uniques.append(unique)
+        counts.append(count)
         inverses.append(inverse + base)
         base += unique.numel()
         lengths_all.append(lengths)
@@ -86,7 +88,7 @@ def prepare_bags(ids: Sequence, combiners: Sequence[str], fill_ids: Sequence):
     lengths = torch.cat(lengths_all)
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.long)
     torch.cumsum(lengths, 0, out=offsets[1:])
-    return tuple(uniques), torch.cat(inverses), offsets, torch.cat(weights)
+    return tuple(uniques), torch.cat(inverses), offsets, torch.cat(weights), tuple(counts)
 
 
 class RowGather(torch.autograd.Function):
