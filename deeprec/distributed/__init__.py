@@ -1,0 +1,7 @@
+"""Parameter-server training over gRPC (StarServer): cluster spec, PS shards, worker client."""
+from deeprec.distributed.client import PROTOCOLS, PSClient, PSError
+from deeprec.distributed.cluster import ClusterSpec, TaskConfig, parse_tf_config, read_endpoint_map
+from deeprec.distributed.server import Server
+
+__all__ = ["PROTOCOLS", "PSClient", "PSError", "ClusterSpec", "TaskConfig", "parse_tf_config",
+           "read_endpoint_map", "Server"]
