@@ -1,0 +1,176 @@
+"""Parameter server over gRPC: real PS processes on loopback."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+import torch
+
+from deeprec import optim
+from deeprec.distributed import ClusterSpec, PSClient, PSError, Server, parse_tf_config, read_endpoint_map
+from deeprec.distributed.ps import SERVICE
+from deeprec.distributed.wire import pack
+from deeprec.errors import ConfigError
+from deeprec.nn import EmbeddingVariable
+
+
+def start_ps(shard=0, num_shards=1):
+    proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed.ps", "--bind", "127.0.0.1:0",
+                             "--shard", str(shard), "--num-shards", str(num_shards), "--threads", "2"],
+                            stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()  # "deeprec PS 0/1 listening on 127.0.0.1:PORT"
+    assert "listening on" in line, line
+    return proc, line.split()[-1]
+
+
+@pytest.fixture
+def ps_pool():
+    procs = []
+
+    def make(n):
+        started = [start_ps(i, n) for i in range(n)]
+        procs.extend(p for p, _ in started)
+        return [a for _, a in started], [p for p, _ in started]
+
+    yield make
+    for p in procs:
+        p.kill()
+        p.wait(10)
+
+
+def local_reference(steps, dim=4):
+    ev = EmbeddingVariable(dim)
+    opt = optim.Adagrad(lr=0.1)
+    ev.attach_slots({"accumulator": (0.1, True)})
+    for keys, grads in steps:
+        ev.rows_for(keys)
+        opt.begin_step()
+        ev.apply_update(opt, ev.rows_for(keys, train=False), grads)
+    return ev
+
+
+def training_steps(n=5, dim=4):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.unique(torch.randint(0, 10_000, (64,), generator=g)),) for _ in range(n)], g
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "star_server", "star_server_lite"])
+@pytest.mark.parametrize("num_ps", [1, 2])
+def test_ps_training_matches_local_updates(ps_pool, protocol, num_ps):
+    addresses, _ = ps_pool(num_ps)
+    client = PSClient(addresses, protocol, deadline_s=20)
+    client.wait_ready()
+    client.register({"emb": 4}, {"w": torch.zeros(2, 3)}, optimizer="adagrad", lr=0.1)
+    keys_steps, g = training_steps()
+    steps = []
+    values = client.pull({"emb": keys_steps[0][0]}, ["w"])
+    for i, (keys,) in enumerate(keys_steps):
+        grads = torch.randn(keys.numel(), 4, generator=g)
+        steps.append((keys, grads))
+        nxt = keys_steps[i + 1][0] if i + 1 < len(keys_steps) else keys
+        values = client.push_pull({"emb": (keys, grads), "w": torch.ones(2, 3)}, {"emb": nxt}, ["w"])
+    ref = local_reference(steps)
+    final_keys = keys_steps[-1][0]
+    expected = ref.weight[ref.rows_for(final_keys, train=False)]
+    assert torch.allclose(values["emb"], expected, atol=1e-6)
+    # dense: Adagrad with constant grad 1 for 5 steps, from 0
+    acc, w = 0.1, 0.0
+    for _ in range(5):
+        acc += 1.0
+        w -= 0.1 / (acc ** 0.5 + 1e-10)
+    assert torch.allclose(values["w"], torch.full((2, 3), w), atol=1e-6)
+    calls_per_step = {"grpc": 2 * num_ps + 1, "star_server": num_ps, "star_server_lite": num_ps}[protocol]
+    assert client.calls >= len(keys_steps) * calls_per_step
+    client.close()
+
+
+def test_malformed_requests_get_clear_errors_and_the_ps_lives(ps_pool):
+    (address,), (proc,) = ps_pool(1)
+    client = PSClient([address], deadline_s=20)
+    client.wait_ready()
+    client.register({"emb": 4}, {})
+    channel = grpc.insecure_channel(address)
+    pull = channel.unary_unary(f"/{SERVICE}/Pull")
+    push = channel.unary_unary(f"/{SERVICE}/Push")
+    cases = [
+        (pull, b"\x01\x02", "message shorter than its length prefix"),
+        (pull, pack({"vars": ["nope"]}, {"keys/nope": torch.arange(3)}), "unknown variable 'nope'"),
+        (pull, pack({"vars": ["emb"]}, {"keys/emb": torch.arange(3).float()}), "must be a 1-D int64 tensor"),
+        (push, pack({"vars": ["emb"]}, {"keys/emb": torch.arange(3), "grads/emb": torch.ones(3, 5)}),
+         "grads shape [3, 5] is not [3, 4]"),
+    ]
+    for call, request, message in cases:
+        with pytest.raises(grpc.RpcError) as err:
+            call(request, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
+    assert proc.poll() is None  # still serving
+    assert client.pull({"emb": torch.tensor([5])})["emb"].shape == (1, 4)
+    channel.close()
+    client.close()
+
+
+def test_wrong_shard_is_rejected(ps_pool):
+    addresses, _ = ps_pool(2)
+    client = PSClient(addresses[:1] + addresses[:1], deadline_s=20)  # both "PSs" are really PS 0
+    client.wait_ready()
+    client.register({"emb": 2}, {})
+    with pytest.raises(PSError, match=r"PS 1 at .*: Pull failed: INVALID_ARGUMENT: PS 0: .*belongs to PS 1"):
+        client.pull({"emb": torch.tensor([1, 2])})
+    client.close()
+
+
+def test_killed_ps_fails_fast_with_its_name(ps_pool):
+    addresses, procs = ps_pool(2)
+    client = PSClient(addresses, deadline_s=3)
+    client.wait_ready()
+    client.register({"emb": 2}, {})
+    procs[1].kill()
+    procs[1].wait(10)
+    start = time.monotonic()
+    with pytest.raises(PSError, match=f"PS 1 at {addresses[1]}: Pull failed: UNAVAILABLE"):
+        client.pull({"emb": torch.tensor([0, 1, 2, 3])})
+    assert time.monotonic() - start < 10
+    client.close()
+
+
+def test_cluster_spec_tf_config_and_endpoint_map(tmp_path, monkeypatch):
+    spec = ClusterSpec({"ps": ["ps-0:2222", "ps-1:2222"], "worker": ["w-0:2222"]})
+    assert spec.num_tasks("ps") == 2 and spec.task_address("worker", 0) == "w-0:2222"
+    with pytest.raises(ConfigError, match="job 'ps' has tasks 0..1, not 5"):
+        spec.task_address("ps", 5)
+    with pytest.raises(ConfigError, match="is not 'host:port'"):
+        ClusterSpec({"ps": ["nohost"]})
+    tf_config = {"cluster": spec.as_dict(), "task": {"type": "worker", "index": 0}}  # as Kubeflow's TFJob sets it
+    monkeypatch.setenv("TF_CONFIG", json.dumps(tf_config))
+    task = parse_tf_config()
+    assert task.cluster == spec and (task.job_name, task.task_index) == ("worker", 0)
+    with pytest.raises(ConfigError, match="task type 'chief' is not a job"):
+        parse_tf_config(json.dumps({"cluster": spec.as_dict(), "task": {"type": "chief", "index": 0}}))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".endpoint_map").write_text("# cluster -> data plane\nps-0:2222 127.0.0.1:5555\n")
+    assert read_endpoint_map() == {"ps-0:2222": "127.0.0.1:5555"}
+    (tmp_path / ".endpoint_map").write_text("only-one-field\n")
+    with pytest.raises(ConfigError, match=r"\.endpoint_map:1: expected 'cluster_address data_address'"):
+        read_endpoint_map()
+
+
+def test_server_binds_loopback_and_serves(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    server = Server({"ps": ["example.internal:0"], "worker": ["w:1"]}, "ps", 0, protocol="star_server")
+    try:
+        assert server.bind_address == "127.0.0.1:0" and server.port > 0
+        client = PSClient([f"127.0.0.1:{server.port}"], deadline_s=10)
+        client.register({"e": 2}, {})
+        assert client.pull({"e": torch.tensor([3])})["e"].shape == (1, 2)
+        client.close()
+    finally:
+        server.stop(None)
+    worker = Server({"ps": ["a:1"], "worker": ["w:2"]}, "worker", 0)
+    assert worker.ps_addresses == ["a:1"]
+    with pytest.raises(ConfigError, match="has no server to join"):
+        worker.join()
+    with pytest.raises(ConfigError, match="protocol='tcp' is not allowed"):
+        Server({"ps": ["a:1"]}, "ps", 0, protocol="tcp", start=False)
