@@ -63,6 +63,11 @@ class TrainConfig:
     main_threads: int | None = None  # intra-op threads of the step while staging (None: cores - stage)
     embedding: str | None = None  # table | variable | torch (None: the model's default)
     flush_denormal: bool = True  # tiny embedding weights turn denormal and slow CPU math ~2x
+    ps_addresses: list = field(default_factory=list)  # parameter servers: train as a PS worker
+    protocol: str = "star_server"  # grpc | star_server | star_server_lite
+    shard_index: int = 0  # this worker's share of the training data
+    num_shards: int = 1
+    is_chief: bool = True  # evaluates at the end
 
     def __post_init__(self):
         if isinstance(self.data, str):
@@ -77,6 +82,13 @@ class TrainConfig:
             raise ConfigError("resume needs checkpoint_dir")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.ps_addresses and self.checkpoint_dir:
+            raise ConfigError("checkpoints of parameter-server training are not implemented yet: drop checkpoint_dir")
+        if self.ps_addresses and self.embedding not in (None, "variable"):
+            raise ConfigError("parameter-server training keeps embeddings as EmbeddingVariables: "
+                              f"embedding={self.embedding!r} is not supported there")
+        if self.num_shards > 1 and self.eval_fraction:
+            raise ConfigError("a sharded worker cannot also hold out eval_fraction: give eval_data")
 
 
 def _holdout_shards(fraction: float) -> tuple[int, list[int], int]:
@@ -89,6 +101,8 @@ def make_readers(cfg: TrainConfig):
     common = dict(seed=cfg.seed, on_bad_row=cfg.on_bad_row)
     epochs = None if cfg.steps is not None else (cfg.epochs or 1)
     train_kw = dict(shuffle_buffer=cfg.shuffle_buffer, num_epochs=epochs, **common)
+    if cfg.num_shards > 1:  # a PS worker reads its share
+        train_kw.update(shard_index=cfg.shard_index, num_shards=cfg.num_shards)
     eval_kw = dict(num_epochs=1, **common)
     if cfg.eval_data:
         return open_reader(cfg.data, cfg.batch_size, **train_kw), open_reader(cfg.eval_data, cfg.eval_batch_size, **eval_kw)
@@ -129,10 +143,18 @@ class Trainer:
         if cfg.flush_denormal:
             torch.set_flush_denormal(True)
         overrides = dict(cfg.model_overrides)
-        if cfg.embedding is not None:
-            overrides["embedding"] = cfg.embedding
+        if cfg.embedding is not None or cfg.ps_addresses:
+            overrides["embedding"] = cfg.embedding or "variable"
         self.model = build_model(cfg.model, **overrides)
-        self.optimizer = make_optimizer(self.model, cfg.optimizer, cfg.lr)
+        self.ps = None
+        if cfg.ps_addresses:  # parameters and their optimizer live on the parameter servers
+            from deeprec.distributed import PSClient
+            from deeprec.distributed.worker import PSSession
+
+            self.ps = PSSession(self.model, PSClient(cfg.ps_addresses, cfg.protocol), cfg.optimizer, cfg.lr)
+            self.optimizer = None
+        else:
+            self.optimizer = make_optimizer(self.model, cfg.optimizer, cfg.lr)
         self.fast, self._hook = None, None
         if cfg.smart_stage:
             self.fast = optimize(self.model, Config(
@@ -201,13 +223,19 @@ class Trainer:
                     batch = next(batches, None)
                 if batch is None:
                     break
+                if self.ps is not None:
+                    with record_function("deeprec.ps.pull"):
+                        self.ps.pull_dense()
                 with record_function("deeprec.forward"):
                     out = self.fast(batch) if self.fast is not None else self.model(batch)
                 with record_function("deeprec.backward"):
                     out["loss"].backward()
                 with record_function("deeprec.update"):
-                    self.optimizer.step()
-                    self.optimizer.zero_grad()
+                    if self.ps is not None:
+                        self.ps.push()
+                    else:
+                        self.optimizer.step()
+                        self.optimizer.zero_grad()
                 self.step += 1
                 self._reader_state = (batch.source_state if self.fast is not None
                                       else self.train_reader.state_dict())
@@ -230,7 +258,9 @@ class Trainer:
                   "bad_rows": self.train_reader.stats.bad_rows}
         if self._hook is not None:
             result["stage"] = asdict(self._hook.stats)
-        if self.eval_reader is not None:
+        if self.eval_reader is not None and cfg.is_chief:
+            if self.ps is not None:
+                self.ps.pull_dense()
             result["eval"] = evaluate(self.model, self.eval_reader)
         return result
 

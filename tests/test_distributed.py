@@ -174,3 +174,27 @@ def test_server_binds_loopback_and_serves(tmp_path, monkeypatch):
         worker.join()
     with pytest.raises(ConfigError, match="protocol='tcp' is not allowed"):
         Server({"ps": ["a:1"]}, "ps", 0, protocol="tcp", start=False)
+
+
+@pytest.mark.parametrize("num_ps", [1, 2])
+def test_ps_training_equals_single_process_training(ps_pool, unique_tsv, num_ps):
+    from deeprec.trainer import TrainConfig, Trainer
+
+    small = {"hash_buckets": 1000, "bottom_mlp": (32, 16), "top_mlp": (32,)}
+    common = dict(model="dlrm", data=[unique_tsv], steps=12, batch_size=128, optimizer="adagrad", lr=0.05,
+                  seed=3, model_overrides=small, progress=False)
+    local = Trainer(TrainConfig(embedding="variable", **common))
+    local.train()
+    addresses, _ = ps_pool(num_ps)
+    remote = Trainer(TrainConfig(ps_addresses=addresses, protocol="star_server", **common))
+    remote.train()
+    remote.ps.pull_dense()
+    for name, p in local.model.named_parameters():
+        if p.requires_grad:
+            assert torch.allclose(p, remote.ps.dense[name], atol=1e-5), name
+    client = remote.ps.client
+    for f in range(26):
+        ev = local.model.embeddings.lookup.variables[f]
+        keys = ev.keys[: ev.size]
+        pulled = client.pull({f"embeddings.C{f + 1}": keys}, train=False)[f"embeddings.C{f + 1}"]
+        assert torch.allclose(pulled, ev.weight[: ev.size], atol=1e-5), f

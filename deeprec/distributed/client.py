@@ -74,8 +74,9 @@ class PSClient:
                 raise PSError(f"PS {ps} at {self.addresses[ps]} not reachable within {timeout_s:.0f}s") from None
 
     def register(self, embeddings: dict[str, int], dense: dict[str, torch.Tensor], optimizer: str = "adagrad",
-                 lr: float = 0.01) -> None:
-        """Create variables on the PSs (idempotent): {name: dim} and {name: initial value}."""
+                 lr: float = 0.01, defaults: dict[str, torch.Tensor] | None = None) -> None:
+        """Create variables on the PSs (idempotent): {name: dim} and {name: initial value};
+        `defaults` gives an embedding's initializer matrix (row key % n starts a new key)."""
         self.dims.update(embeddings)
         jobs = []
         for ps in range(self.num_ps):
@@ -83,7 +84,9 @@ class PSClient:
                      for n, d in embeddings.items()]
             mine = {n: v for n, v in dense.items() if self.dense_owner(n) == ps}
             specs += [{"name": n, "kind": "dense", "optimizer": optimizer, "lr": lr} for n in mine]
-            jobs.append(("Register", ps, {"variables": specs}, {f"init/{n}": v for n, v in mine.items()}))
+            tensors = {f"init/{n}": v for n, v in mine.items()}
+            tensors.update({f"defaults/{n}": m for n, m in (defaults or {}).items()})
+            jobs.append(("Register", ps, {"variables": specs}, tensors))
         self._fan_out(jobs)
 
     def _route(self, keys: dict[str, torch.Tensor]):
@@ -120,18 +123,20 @@ class PSClient:
             out[name] = replies_by_ps[self.dense_owner(name)][f"values/{name}"]
         return out
 
-    def pull(self, keys: dict[str, torch.Tensor], dense: list[str] = ()) -> dict[str, torch.Tensor]:
+    def pull(self, keys: dict[str, torch.Tensor], dense: list[str] = (), train: bool = True) -> dict[str, torch.Tensor]:
         """Rows of each embedding's (unique) keys and the dense variables' values."""
         per_ps, where = self._route(keys)
         replies: dict[int, dict] = {}
         if self.protocol == "grpc":  # one call per variable per PS
-            jobs = [("Pull", ps, {"vars": [n]}, {f"keys/{n}": k}) for ps in range(self.num_ps)
+            jobs = [("Pull", ps, {"vars": [n], "train": train}, {f"keys/{n}": k}) for ps in range(self.num_ps)
                     for n, k in per_ps[ps].items()]
             jobs += [("Pull", self.dense_owner(n), {"vars": [n]}, {}) for n in dense]
             for (_, ps, _, _), (_, tensors) in zip(jobs, self._fan_out(jobs)):
                 replies.setdefault(ps, {}).update(tensors)
         else:
             jobs = self._pull_jobs(per_ps, list(dense))
+            for job in jobs:
+                job[2]["train"] = train
             for (_, ps, _, _), (_, tensors) in zip(jobs, self._fan_out(jobs)):
                 replies[ps] = tensors
         return self._assemble(keys, where, replies, list(dense))

@@ -68,6 +68,11 @@ class ShardState:
                                            name=name)
                     ev.attach_slots({n: (v, True) for n, v in optimizer.slots.items()}
                                     | {n: (v, False) for n, v in optimizer.row_slots.items()})
+                    defaults = tensors.get(f"defaults/{name}")  # the worker's initializer matrix
+                    if defaults is not None:
+                        if defaults.dim() != 2 or defaults.shape[1] != ev.embedding_dim:
+                            raise WireError(f"variable {name!r}: defaults must be [n, {ev.embedding_dim}]")
+                        ev._defaults = defaults.float().clone()
                     self.embeddings[name] = (ev, optimizer)
             elif kind == "dense":
                 if name not in self.dense:
@@ -91,13 +96,14 @@ class ShardState:
                             f", not PS {self.shard_index}")
         return keys
 
-    def pull(self, names: list, tensors: dict, prefix: str = "") -> dict:
+    def pull(self, names: list, tensors: dict, prefix: str = "", train: bool = True) -> dict:
+        """Rows of the keys (training inserts unseen keys; evaluation reads defaults)."""
         out = {}
         for name in names:
             if name in self.embeddings:
                 ev, _ = self.embeddings[name]
                 keys = self._keys(name, tensors, prefix)
-                out[f"values/{name}"] = ev.gather(ev.rows_for(keys, train=True))
+                out[f"values/{name}"] = ev.gather(ev.rows_for(keys, train=train))
             elif name in self.dense:
                 d = self.dense[name]
                 out[f"values/{name}"] = d.value.reshape(d.shape)
@@ -167,7 +173,7 @@ class PSServicer:
         if method == "Register":
             return s.register(header, tensors)
         if method == "Pull":
-            return {}, s.pull(_names(header, "vars"), tensors)
+            return {}, s.pull(_names(header, "vars"), tensors, train=bool(header.get("train", True)))
         if method == "Push":
             s.push(_names(header, "vars"), tensors)
             return {}, {}

@@ -50,6 +50,7 @@ class FusedLookup(nn.Module):
             raise ConfigError("an EmbeddingCollection holds either fixed-size tables or EmbeddingVariables, "
                               "not both: make two collections")
         self.optimizer: RowSparseOptimizer | None = None
+        self.remote = None  # deeprec.distributed.worker.RemoteTables: rows live on parameter servers
         self.fused = True
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self._token = torch.zeros(0, requires_grad=True)  # makes autograd call RowGather.backward
@@ -127,7 +128,11 @@ class FusedLookup(nn.Module):
     # -- lookup ------------------------------------------------------------------------------
     def forward(self, uniques, inverse, offsets, weights, counts):
         batch = (offsets.numel() - 1) // len(self.features)
-        if all(self.dynamic):
+        if self.remote is not None:
+            values = self.remote.pull(uniques, train=self.training)
+            index = torch.arange(values.shape[0])
+            rows_values = RowGather.apply(self._token, values, index, self.remote.receive)
+        elif all(self.dynamic):
             gathered = []
             for part, (ev, keys, seen) in enumerate(zip(self.variables, uniques, counts)):
                 rows = ev.rows_for(keys, seen, train=self.training)  # frequency counts every occurrence

@@ -1,0 +1,80 @@
+"""Training a model whose parameters live on the parameter servers.
+
+    step:  pull dense parameters ──> forward (each EmbeddingCollection pulls its
+           rows: one fused call per PS) ──> backward (embedding gradients are
+           captured, not applied) ──> one push of all gradients; the PSs update
+
+Embeddings must be EmbeddingVariables (`embedding="variable"`): their keys are
+partitioned over the PSs by `key % 1000 % num_ps`. The optimizer runs on the PSs.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deeprec.distributed.client import PSClient
+from deeprec.errors import ConfigError
+from deeprec.nn.collection import EmbeddingCollection
+
+
+class RemoteTables:
+    """Stands in for a collection's EmbeddingVariables: rows come from and go to the PSs."""
+
+    def __init__(self, client: PSClient, names: list[str]):
+        self.client, self.names = client, names
+        self.pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._keys: list[torch.Tensor] = []
+
+    def pull(self, uniques, train: bool) -> torch.Tensor:
+        self._keys = list(uniques)
+        values = self.client.pull(dict(zip(self.names, self._keys)), train=train)
+        return torch.cat([values[n] for n in self.names])
+
+    def receive(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        start = 0  # rows are 0..U-1 in feature order (see FusedLookup.forward)
+        for name, keys in zip(self.names, self._keys):
+            n = keys.numel()
+            if n:
+                self.pending[name] = (keys, grad[start:start + n])
+            start += n
+
+
+class PSSession:
+    """Registers a model's variables on the PSs and runs its pulls and pushes."""
+
+    def __init__(self, model: nn.Module, client: PSClient, optimizer: str, lr: float):
+        self.model, self.client = model, client
+        self.remotes: list[RemoteTables] = []
+        embeddings, defaults = {}, {}
+        for prefix, module in model.named_modules():
+            if isinstance(module, EmbeddingCollection):
+                lookup = module.lookup
+                if not all(lookup.dynamic):
+                    raise ConfigError("parameter-server training needs EmbeddingVariables: "
+                                      "build the model with embedding='variable'")
+                names = [f"{prefix}.{f.name}" for f in lookup.features]
+                remote = RemoteTables(client, names)
+                lookup.remote = remote
+                self.remotes.append(remote)
+                embeddings.update({n: lookup.dim for n in names})
+                defaults.update({n: ev._defaults for n, ev in zip(names, lookup.variables)})
+        self.dense = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        client.wait_ready()
+        client.register(embeddings, {n: p.detach() for n, p in self.dense.items()}, optimizer, lr, defaults)
+
+    def pull_dense(self) -> None:
+        values = self.client.pull({}, list(self.dense))
+        with torch.no_grad():
+            for name, p in self.dense.items():
+                p.copy_(values[name])
+
+    def push(self) -> None:
+        grads = {}
+        for remote in self.remotes:
+            grads.update(remote.pending)
+            remote.pending = {}
+        for name, p in self.dense.items():
+            if p.grad is not None:
+                grads[name] = p.grad.to_dense() if p.grad.is_sparse else p.grad
+                p.grad = None
+        self.client.push(grads)
