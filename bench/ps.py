@@ -67,7 +67,7 @@ def worker(address: str, protocol: str, batch: int, steps: int, seed: int, out) 
 
 
 def run_case(protocol: str, workers: int, batch: int, steps: int) -> dict:
-    ps = subprocess.Popen([sys.executable, "-m", "deeprec.distributed.ps", "--bind", "127.0.0.1:0"],
+    ps = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "127.0.0.1:0"],
                           stdout=subprocess.PIPE, text=True)
     address = ps.stdout.readline().split()[-1]
     try:

@@ -1,4 +1,4 @@
-"""`deeprec` command line: train, explain, evaluate, data synth, data convert."""
+"""`deeprec` command line: train, launch, explain, evaluate, data synth, data convert."""
 from __future__ import annotations
 
 import argparse
@@ -34,7 +34,7 @@ def synthetic_files(rows: int, cardinalities: str, seed: int, console: Console) 
         path = os.path.join(cache, f"synth-{cardinalities}-{n}-seed{part_seed}-{part}.tsv")
         if not os.path.exists(path):
             console.print(f"writing {n:,} synthetic rows to {path}")
-            tmp = path + ".tmp"
+            tmp = f"{path}.{os.getpid()}.tmp"  # workers of one job may write it at the same time
             write_synthetic(tmp, n, cardinalities=cardinalities, seed=part_seed)
             os.replace(tmp, path)
         files.append(path)
@@ -55,6 +55,19 @@ def cmd_train(args, console: Console) -> int:
         note = ("smoke run on the bundled 200-row real Criteo sample, 20% of it held out for eval: "
                 "the AUC is noise; try --synthetic 1000000 for a meaningful run")
     eval_fraction = args.eval_fraction if args.eval_fraction is not None else (0.2 if note else 0.0)
+    ps = {}
+    if os.environ.get("TF_CONFIG"):  # a worker of a parameter-server job (deeprec launch, Kubeflow TFJob)
+        from deeprec.distributed import parse_tf_config, read_endpoint_map
+
+        task = parse_tf_config()
+        if task.job_name not in ("worker", "chief"):
+            raise DeepRecError(f"`deeprec train` runs worker tasks; TF_CONFIG says {task.job_name!r} "
+                               "(start PS tasks with `python -m deeprec.distributed`)")
+        endpoints = read_endpoint_map()
+        ps = dict(ps_addresses=[endpoints.get(a, a) for a in task.cluster.job_tasks("ps")],
+                  shard_index=task.task_index, num_shards=task.cluster.num_tasks("worker"),
+                  is_chief=task.task_index == 0, protocol=os.environ.get("DEEPREC_PROTOCOL", args.protocol))
+        eval_fraction = 0.0 if ps["num_shards"] > 1 else eval_fraction
     cfg = TrainConfig(model=args.model, data=data, eval_data=eval_data or [], eval_fraction=eval_fraction,
                       steps=args.steps, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                       optimizer=args.optimizer, shuffle_buffer=args.shuffle_buffer, seed=args.seed,
@@ -62,7 +75,7 @@ def cmd_train(args, console: Console) -> int:
                       checkpoint_every=args.checkpoint_every, incremental_every=args.incremental_every,
                       resume=args.resume, threads=args.threads,
                       smart_stage=args.smart_stage, capacity=args.capacity, stage_threads=args.stage_threads,
-                      stage_executor=args.stage_executor, embedding=args.embedding)
+                      stage_executor=args.stage_executor, embedding=args.embedding, **ps)
     if note:
         console.print(f"[bold]{note}[/bold]")
     result = train(cfg, console)
@@ -90,6 +103,13 @@ def cmd_train(args, console: Console) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return 0
+
+
+def cmd_launch(args, console: Console) -> int:
+    from deeprec.distributed.launch import launch
+
+    train_args = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
+    return launch(args.ps, args.workers, args.protocol, train_args, sync=args.sync)
 
 
 def cmd_explain(args, console: Console) -> int:
@@ -170,6 +190,17 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--stage-executor", choices=("thread", "process"), default="thread",
                     help="SmartStage: run the stage in threads, or in a worker process (no GIL sharing)")
     tr.set_defaults(func=cmd_train)
+
+    tr.add_argument("--protocol", choices=("grpc", "star_server", "star_server_lite"), default="star_server",
+                    help="parameter-server protocol when run as a PS worker (TF_CONFIG set)")
+
+    la = sub.add_parser("launch", help="run a parameter-server job on this machine")
+    la.add_argument("--ps", type=int, default=1)
+    la.add_argument("--workers", type=int, default=1)
+    la.add_argument("--protocol", choices=("grpc", "star_server", "star_server_lite"), default="star_server")
+    la.add_argument("--sync", action="store_true", help="average all workers' gradients per step (not yet)")
+    la.add_argument("rest", nargs=argparse.REMAINDER, help="-- train ... (the worker command)")
+    la.set_defaults(func=cmd_launch)
 
     ex = sub.add_parser("explain", help="show how deeprec.optimize partitions a model")
     ex.add_argument("--model", choices=sorted(MODELS), default="dlrm")

@@ -18,7 +18,7 @@ from deeprec.nn import EmbeddingVariable
 
 
 def start_ps(shard=0, num_shards=1):
-    proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed.ps", "--bind", "127.0.0.1:0",
+    proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "127.0.0.1:0",
                              "--shard", str(shard), "--num-shards", str(num_shards), "--threads", "2"],
                             stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()  # "deeprec PS 0/1 listening on 127.0.0.1:PORT"
@@ -198,3 +198,30 @@ def test_ps_training_equals_single_process_training(ps_pool, unique_tsv, num_ps)
         keys = ev.keys[: ev.size]
         pulled = client.pull({f"embeddings.C{f + 1}": keys}, train=False)[f"embeddings.C{f + 1}"]
         assert torch.allclose(pulled, ev.weight[: ev.size], atol=1e-5), f
+
+
+def run_launch(args, tmp_path, timeout=300):
+    env = dict(os.environ, DEEPREC_CACHE=str(tmp_path))
+    return subprocess.run([sys.executable, "-m", "deeprec.cli", "launch", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_launch_trains_a_ps_job_and_reports_auc(tmp_path):
+    done = run_launch(["--ps", "2", "--workers", "2", "--protocol", "star_server_lite", "--", "train",
+                       "--model", "dlrm", "--synthetic", "4000", "--cardinalities", "small", "--steps", "8",
+                       "--batch-size", "128"], tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "[ps0]" in out and "[ps1]" in out and "2/2 workers succeeded" in out
+    assert "[worker0]" in out and "eval AUC" in out  # the chief evaluates
+    assert "[worker1]" in out
+
+
+def test_launch_reports_a_failed_worker(tmp_path):
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("0\t1\n")
+    done = run_launch(["--ps", "1", "--workers", "1", "--", "train", "--data", str(bad), "--steps", "2"], tmp_path)
+    assert done.returncode != 0 and "worker0 failed" in done.stdout and "0/1 workers succeeded" in done.stdout
+    with pytest.raises(subprocess.CalledProcessError):
+        subprocess.run([sys.executable, "-m", "deeprec.cli", "launch", "--sync", "--", "train"], check=True,
+                       capture_output=True, timeout=120)
