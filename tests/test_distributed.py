@@ -225,3 +225,15 @@ def test_launch_reports_a_failed_worker(tmp_path):
     with pytest.raises(subprocess.CalledProcessError):
         subprocess.run([sys.executable, "-m", "deeprec.cli", "launch", "--sync", "--", "train"], check=True,
                        capture_output=True, timeout=120)
+
+
+def test_ps_takes_its_shard_from_tf_config():
+    env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": {"ps": ["a:1", "b:2", "c:3"], "worker": ["w:4"]},
+                                                 "task": {"type": "ps", "index": 2}}))
+    proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "127.0.0.1:0"],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert "deeprec PS 2/3 listening on 127.0.0.1:" in proc.stdout.readline()
+    finally:
+        proc.kill()
+        proc.wait(10)

@@ -213,10 +213,20 @@ def serve(bind: str, shard_index: int, num_shards: int, threads: int | None = No
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="run one parameter-server shard")
     parser.add_argument("--bind", default="127.0.0.1:0")
-    parser.add_argument("--shard", type=int, default=0)
-    parser.add_argument("--num-shards", type=int, default=1)
+    parser.add_argument("--shard", type=int, help="default: TF_CONFIG's task index, else 0")
+    parser.add_argument("--num-shards", type=int, help="default: TF_CONFIG's number of ps tasks, else 1")
     parser.add_argument("--threads", type=int)
     args = parser.parse_args(argv)
+    if os.environ.get("TF_CONFIG") and (args.shard is None or args.num_shards is None):
+        from deeprec.distributed.cluster import parse_tf_config
+
+        task = parse_tf_config()
+        if task.job_name != "ps":
+            raise SystemExit(f"TF_CONFIG describes a {task.job_name!r} task, not a ps task")
+        args.shard = task.task_index if args.shard is None else args.shard
+        args.num_shards = task.cluster.num_tasks("ps") if args.num_shards is None else args.num_shards
+    args.shard = 0 if args.shard is None else args.shard
+    args.num_shards = 1 if args.num_shards is None else args.num_shards
     torch.set_num_threads(1)
     server, port = serve(args.bind, args.shard, args.num_shards, args.threads)
     host = args.bind.rpartition(":")[0]
