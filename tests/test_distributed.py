@@ -237,3 +237,18 @@ def test_ps_takes_its_shard_from_tf_config():
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_worker_dying_mid_run_leaves_the_others_running(tmp_path, unique_tsv):
+    # worker 1's half of the file holds a malformed row: it dies mid-run, worker 0 finishes
+    lines = open(unique_tsv).read().splitlines()[:4000]
+    lines[3500] = "garbage"
+    data = tmp_path / "half_bad.tsv"
+    data.write_text("\n".join(lines) + "\n")
+    done = run_launch(["--ps", "1", "--workers", "2", "--", "train", "--data", str(data), "--steps", "40",
+                       "--batch-size", "64"], tmp_path)
+    out = done.stdout
+    assert done.returncode != 0 and "worker1 failed" in out and "1/2 workers succeeded" in out
+    flat = "".join(out.replace("[worker1]", "").split())  # the worker's console wraps long lines
+    assert "".join(f"{data}:3501: expected 40 fields, found 1".split()) in flat
+    assert "[worker0]" in out and "steps" in out
