@@ -109,7 +109,7 @@ def cmd_launch(args, console: Console) -> int:
     from deeprec.distributed.launch import launch
 
     train_args = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
-    return launch(args.ps, args.workers, args.protocol, train_args, sync=args.sync)
+    return launch(args.ps, args.workers, args.protocol, train_args, sync=args.sync, resume=args.resume)
 
 
 def cmd_explain(args, console: Console) -> int:
@@ -199,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--workers", type=int, default=1)
     la.add_argument("--protocol", choices=("grpc", "star_server", "star_server_lite"), default="star_server")
     la.add_argument("--sync", action="store_true", help="average all workers' gradients per step (not yet)")
+    la.add_argument("--resume", action="store_true", help="continue from the workers' --checkpoint-dir")
     la.add_argument("rest", nargs=argparse.REMAINDER, help="-- train ... (the worker command)")
     la.set_defaults(func=cmd_launch)
 

@@ -82,8 +82,8 @@ class TrainConfig:
             raise ConfigError("resume needs checkpoint_dir")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
-        if self.ps_addresses and self.checkpoint_dir:
-            raise ConfigError("checkpoints of parameter-server training are not implemented yet: drop checkpoint_dir")
+        if self.ps_addresses and self.incremental_every:
+            raise ConfigError("incremental checkpoints of parameter-server training are not implemented yet")
         if self.ps_addresses and self.embedding not in (None, "variable"):
             raise ConfigError("parameter-server training keeps embeddings as EmbeddingVariables: "
                               f"embedding={self.embedding!r} is not supported there")
@@ -172,20 +172,29 @@ class Trainer:
         overrides = dict(self.cfg.model_overrides)
         if self.cfg.embedding is not None:
             overrides["embedding"] = self.cfg.embedding
-        return {"model_name": self.cfg.model, "model_overrides": overrides,
-                "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "step": self.step, "reader": self._reader_state,
-                "torch_rng": torch.get_rng_state()}
+        state = {"model_name": self.cfg.model, "model_overrides": overrides, "step": self.step,
+                 "reader": self._reader_state, "torch_rng": torch.get_rng_state()}
+        if self.ps is None:
+            state.update(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
+        elif self.cfg.is_chief:  # the chief snapshots every PS (each row with its slots)
+            state["ps"] = self.ps.client.snapshot()
+        return state
+
+    def _checkpoint_dir(self) -> str:
+        """Each PS worker but the chief keeps its reader position in its own folder."""
+        if self.ps is None or self.cfg.is_chief:
+            return self.cfg.checkpoint_dir
+        return os.path.join(self.cfg.checkpoint_dir, f"worker-{self.cfg.shard_index}")
 
     def save(self, incremental: bool = False) -> str:
         if incremental:
             with incremental_state_dict():
                 return save_checkpoint(self.cfg.checkpoint_dir, self.step, self.state(), kind="incremental")
-        return save_checkpoint(self.cfg.checkpoint_dir, self.step, self.state())
+        return save_checkpoint(self._checkpoint_dir(), self.step, self.state())
 
     def _restore(self) -> None:
         """The latest full checkpoint, then the incremental ones after it, in order."""
-        directory = self.cfg.checkpoint_dir
+        directory = self._checkpoint_dir()
         full = latest_checkpoint(directory)
         base = checkpoint_step(full) if full else -1
         chain = ([full] if full else []) + [p for p in list_checkpoints(directory, "incremental")
@@ -197,8 +206,14 @@ class Trainer:
             state = load_checkpoint(path)
             if state["model_name"] != self.cfg.model:
                 raise ConfigError(f"{path} holds a {state['model_name']!r} model, not {self.cfg.model!r}")
-            self.model.load_state_dict(state["model"])  # EmbeddingVariables merge incremental rows
-        self.optimizer.load_state_dict(state["optimizer"])
+            if self.ps is None:
+                self.model.load_state_dict(state["model"])  # EmbeddingVariables merge incremental rows
+        if self.ps is None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        elif self.cfg.is_chief:
+            self.ps.client.restore(state["ps"])  # onto however many PSs run now
+        else:
+            self.ps.client.wait_restored(self.ps.client.deadline_s)
         self.train_reader.load_state_dict(state["reader"])
         self._reader_state = state["reader"]
         torch.set_rng_state(state["torch_rng"])

@@ -252,3 +252,42 @@ def test_worker_dying_mid_run_leaves_the_others_running(tmp_path, unique_tsv):
     flat = "".join(out.replace("[worker1]", "").split())  # the worker's console wraps long lines
     assert "".join(f"{data}:3501: expected 40 fields, found 1".split()) in flat
     assert "[worker0]" in out and "steps" in out
+
+
+def test_ps_checkpoint_restores_onto_a_different_number_of_ps(ps_pool, unique_tsv, tmp_path):
+    from deeprec.trainer import TrainConfig, Trainer
+
+    small = {"hash_buckets": 1000, "bottom_mlp": (32, 16), "top_mlp": (32,)}
+    common = dict(model="dlrm", data=[unique_tsv], batch_size=128, optimizer="adagrad", lr=0.05, seed=3,
+                  model_overrides=small, progress=False)
+    one, _ = ps_pool(1)
+    full = Trainer(TrainConfig(ps_addresses=one, steps=20, **common))
+    full.train()
+    two, _ = ps_pool(2)
+    Trainer(TrainConfig(ps_addresses=two, steps=12, checkpoint_dir=str(tmp_path), **common)).train()
+    three, _ = ps_pool(3)
+    resumed = Trainer(TrainConfig(ps_addresses=three, steps=20, checkpoint_dir=str(tmp_path), resume=True, **common))
+    assert resumed.step == 12
+    resumed.train()
+    a, b = full.ps.client.snapshot(), resumed.ps.client.snapshot()
+    for key in a:
+        if key.startswith("dense/"):
+            assert torch.allclose(a[key], b[key], atol=1e-5), key
+    for f in range(1, 27):
+        name = f"emb/embeddings.C{f}"
+        order_a, order_b = torch.argsort(a[f"{name}/keys"]), torch.argsort(b[f"{name}/keys"])
+        assert torch.equal(a[f"{name}/keys"][order_a], b[f"{name}/keys"][order_b])
+        assert torch.allclose(a[f"{name}/values"][order_a], b[f"{name}/values"][order_b], atol=1e-5), name
+
+
+def test_launch_resume_onto_more_ps(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    train = ["--", "train", "--model", "dlrm", "--synthetic", "3000", "--cardinalities", "small", "--batch-size",
+             "128", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3"]
+    first = run_launch(["--ps", "2", "--workers", "2", *train, "--steps", "6"], tmp_path)
+    assert first.returncode == 0, first.stdout[-2000:]
+    second = run_launch(["--ps", "3", "--workers", "2", "--resume", *train, "--steps", "9"], tmp_path)
+    assert second.returncode == 0, second.stdout[-2000:]
+    assert "[worker0] resumed from checkpoint-000000006.pt at step 6" in second.stdout
+    assert "[worker1] resumed from checkpoint-000000006.pt at step 6" in second.stdout
+    assert "2/2 workers succeeded" in second.stdout

@@ -35,7 +35,7 @@ class PSClient:
         self.addresses, self.protocol, self.deadline_s = list(addresses), protocol, deadline_s
         self.channels = [grpc.insecure_channel(a, options=GRPC_OPTIONS) for a in self.addresses]
         self._calls = {m: [ch.unary_unary(f"/{SERVICE}/{m}") for ch in self.channels]
-                       for m in ("Register", "Pull", "Push", "PushPull", "Export", "Health")}
+                       for m in ("Register", "Pull", "Push", "PushPull", "Export", "Load", "Health")}
         threads = threads or int(os.environ.get("NETWORK_WORKER_CORE_NUMBER", str(min(2, len(addresses)))))
         self._pool = concurrent.futures.ThreadPoolExecutor(max(threads, len(addresses)),
                                                            thread_name_prefix="deeprec-ps-client")
@@ -186,6 +186,34 @@ class PSClient:
 
     def export(self) -> list[dict]:
         return [t for _, t in self._fan_out([("Export", ps, {}, {}) for ps in range(self.num_ps)])]
+
+    def snapshot(self) -> dict:
+        """All PSs' variables merged into one state (rows concatenated, dense from its owner)."""
+        merged: dict[str, list] = {}
+        for part in self.export():
+            for key, value in part.items():
+                merged.setdefault(key, []).append(value)
+        out = {}
+        for key, values in merged.items():
+            out[key] = torch.cat(values) if key.startswith("emb/") and values[0].dim() > 0 else values[0]
+        return out
+
+    def restore(self, state: dict) -> None:
+        """Load a snapshot into every PS (each keeps its shard: any PS count works)."""
+        self._fan_out([("Load", ps, {}, state) for ps in range(self.num_ps)])
+
+    def wait_restored(self, timeout_s: float) -> None:
+        """Block until every PS has taken a checkpoint restore (resuming non-chief workers)."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if all(h.get("generation", 0) > 0 for h, _ in self._fan_out(
+                    [("Health", ps, {}, {}) for ps in range(self.num_ps)])):
+                return
+            if time.monotonic() > deadline:
+                raise PSError(f"the PSs were not restored from a checkpoint within {timeout_s:.0f}s")
+            time.sleep(0.2)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

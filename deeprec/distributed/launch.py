@@ -26,7 +26,7 @@ def _stream(prefix: str, pipe, sink) -> None:
 
 
 def launch(num_ps: int, num_workers: int, protocol: str, train_args: list[str], sync: bool = False,
-           out=sys.stdout) -> int:
+           out=sys.stdout, resume: bool = False) -> int:
     if protocol not in PROTOCOLS:
         raise ConfigError(f"protocol={protocol!r} is not allowed; choose one of {', '.join(PROTOCOLS)}")
     if sync:
@@ -36,6 +36,10 @@ def launch(num_ps: int, num_workers: int, protocol: str, train_args: list[str], 
         raise ConfigError("give the worker command after --, e.g. -- train --model dlrm --synthetic 100000")
     if num_ps < 1 or num_workers < 1:
         raise ConfigError("--ps and --workers must be >= 1")
+    if resume:  # the chief restores the PSs (any count) from --checkpoint-dir; the others wait for it
+        if "--checkpoint-dir" not in train_args:
+            raise ConfigError("--resume needs the worker command's --checkpoint-dir")
+        train_args = [*train_args, "--resume"]
     ps_procs, ps_addresses = [], []
     try:
         for i in range(num_ps):

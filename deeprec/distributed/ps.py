@@ -25,7 +25,7 @@ from deeprec.nn.variable import EmbeddingVariable, shard_of
 from deeprec.optim import sparse
 
 SERVICE = "deeprec.PS"
-METHODS = ("Register", "Pull", "Push", "PushPull", "Export", "Health")
+METHODS = ("Register", "Pull", "Push", "PushPull", "Export", "Load", "Health")
 MAX_MESSAGE = 1 << 30  # gRPC's default cap is 4 MB: a batch-4096 pull is larger
 GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
 
@@ -54,6 +54,7 @@ class ShardState:
         self.shard_index, self.num_shards = shard_index, num_shards
         self.embeddings: dict[str, tuple[EmbeddingVariable, sparse.RowSparseOptimizer]] = {}
         self.dense: dict[str, _Dense] = {}
+        self.generation = 0  # how many checkpoint restores this shard has taken
 
     def _names(self) -> str:
         return ", ".join(sorted([*self.embeddings, *self.dense])) or "none"
@@ -144,13 +145,35 @@ class ShardState:
                 d.optimizer.update(d.value, d.slots, d.rows, grad.reshape(d.value.shape))
 
     def export(self) -> dict:
+        """Every row with its slots, and each optimizer's step count (taken on the shard
+        thread, so a row and its slots are always from the same update)."""
         out = {}
-        for name, (ev, _) in self.embeddings.items():
+        for name, (ev, opt) in self.embeddings.items():
             for key, value in ev.export().items():
                 out[f"emb/{name}/{key}"] = value
+            out[f"opt/{name}"] = torch.tensor(opt.step_count)
         for name, d in self.dense.items():
             out[f"dense/{name}"] = d.value.reshape(d.shape)
+            out.update({f"dense_slot/{name}/{k}": v for k, v in d.slots.items()})
+            out[f"opt/{name}"] = torch.tensor(d.optimizer.step_count)
         return out
+
+    def load(self, tensors: dict) -> None:
+        """Restore from a (merged) export: each shard keeps its own keys, whatever the
+        number of PSs that wrote it."""
+        for name, (ev, opt) in self.embeddings.items():
+            prefix = f"emb/{name}/"
+            state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            if state:
+                ev.load(state)
+                opt.step_count = int(tensors[f"opt/{name}"])
+        for name, d in self.dense.items():
+            if f"dense/{name}" in tensors:
+                d.value.copy_(tensors[f"dense/{name}"].reshape(d.value.shape))
+                for k in d.slots:
+                    d.slots[k].copy_(tensors[f"dense_slot/{name}/{k}"])
+                d.optimizer.step_count = int(tensors[f"opt/{name}"])
+        self.generation += 1
 
 
 class PSServicer:
@@ -182,7 +205,11 @@ class PSServicer:
             return {}, s.pull(_names(header, "pull"), tensors, "pull.")
         if method == "Export":
             return {"shard": s.shard_index, "num_shards": s.num_shards}, s.export()
-        return {"shard": s.shard_index, "variables": sorted([*s.embeddings, *s.dense])}, {}
+        if method == "Load":
+            s.load(tensors)
+            return {"generation": s.generation}, {}
+        return {"shard": s.shard_index, "generation": s.generation,
+                "variables": sorted([*s.embeddings, *s.dense])}, {}
 
     def handler(self) -> grpc.GenericRpcHandler:
         methods = {m: grpc.unary_unary_rpc_method_handler(lambda req, ctx, m=m: self._call(m, req, ctx))

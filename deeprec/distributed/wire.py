@@ -15,7 +15,8 @@ import warnings
 import numpy as np
 import torch
 
-DTYPES = {"float32": torch.float32, "int64": torch.int64, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "int64": torch.int64, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "bool": torch.bool}
 _LEN = struct.Struct("<I")
 _ALIGN = 8
 
@@ -36,7 +37,7 @@ def pack(header: dict, tensors: dict[str, torch.Tensor] | None = None) -> bytes:
         if pad:
             parts.append(bytes(pad))
             offset += pad
-        view = t.view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+        view = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
         specs[name] = {"dtype": dtype, "shape": list(t.shape), "off": offset, "n": int(view.nbytes)}
         parts.append(memoryview(view).cast("B"))
         offset += view.nbytes
