@@ -66,7 +66,8 @@ def cmd_train(args, console: Console) -> int:
         endpoints = read_endpoint_map()
         ps = dict(ps_addresses=[endpoints.get(a, a) for a in task.cluster.job_tasks("ps")],
                   shard_index=task.task_index, num_shards=task.cluster.num_tasks("worker"),
-                  is_chief=task.task_index == 0, protocol=os.environ.get("DEEPREC_PROTOCOL", args.protocol))
+                  is_chief=task.task_index == 0, protocol=os.environ.get("DEEPREC_PROTOCOL", args.protocol),
+                  sync=args.sync)
         eval_fraction = 0.0 if ps["num_shards"] > 1 else eval_fraction
     cfg = TrainConfig(model=args.model, data=data, eval_data=eval_data or [], eval_fraction=eval_fraction,
                       steps=args.steps, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
@@ -193,12 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     tr.add_argument("--protocol", choices=("grpc", "star_server", "star_server_lite"), default="star_server",
                     help="parameter-server protocol when run as a PS worker (TF_CONFIG set)")
+    tr.add_argument("--sync", action="store_true", help="PS worker: average all workers' gradients per step")
 
     la = sub.add_parser("launch", help="run a parameter-server job on this machine")
     la.add_argument("--ps", type=int, default=1)
     la.add_argument("--workers", type=int, default=1)
     la.add_argument("--protocol", choices=("grpc", "star_server", "star_server_lite"), default="star_server")
-    la.add_argument("--sync", action="store_true", help="average all workers' gradients per step (not yet)")
+    la.add_argument("--sync", action="store_true", help="average all workers' gradients per step")
     la.add_argument("--resume", action="store_true", help="continue from the workers' --checkpoint-dir")
     la.add_argument("rest", nargs=argparse.REMAINDER, help="-- train ... (the worker command)")
     la.set_defaults(func=cmd_launch)

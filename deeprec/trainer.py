@@ -68,6 +68,7 @@ class TrainConfig:
     shard_index: int = 0  # this worker's share of the training data
     num_shards: int = 1
     is_chief: bool = True  # evaluates at the end
+    sync: bool = False  # PS training: average every worker's gradients per step (num_shards workers)
 
     def __post_init__(self):
         if isinstance(self.data, str):
@@ -151,7 +152,9 @@ class Trainer:
             from deeprec.distributed import PSClient
             from deeprec.distributed.worker import PSSession
 
-            self.ps = PSSession(self.model, PSClient(cfg.ps_addresses, cfg.protocol), cfg.optimizer, cfg.lr)
+            client = PSClient(cfg.ps_addresses, cfg.protocol)
+            client.sync_workers = cfg.num_shards if cfg.sync else 1
+            self.ps = PSSession(self.model, client, cfg.optimizer, cfg.lr)
             self.optimizer = None
         else:
             self.optimizer = make_optimizer(self.model, cfg.optimizer, cfg.lr)
@@ -240,6 +243,7 @@ class Trainer:
                     break
                 if self.ps is not None:
                     with record_function("deeprec.ps.pull"):
+                        self.ps.begin_step(self.step + 1)
                         self.ps.pull_dense()
                 with record_function("deeprec.forward"):
                     out = self.fast(batch) if self.fast is not None else self.model(batch)
@@ -247,7 +251,7 @@ class Trainer:
                     out["loss"].backward()
                 with record_function("deeprec.update"):
                     if self.ps is not None:
-                        self.ps.push()
+                        self.ps.push(self.step + 1)
                     else:
                         self.optimizer.step()
                         self.optimizer.zero_grad()

@@ -222,9 +222,9 @@ def test_launch_reports_a_failed_worker(tmp_path):
     bad.write_text("0\t1\n")
     done = run_launch(["--ps", "1", "--workers", "1", "--", "train", "--data", str(bad), "--steps", "2"], tmp_path)
     assert done.returncode != 0 and "worker0 failed" in done.stdout and "0/1 workers succeeded" in done.stdout
-    with pytest.raises(subprocess.CalledProcessError):
-        subprocess.run([sys.executable, "-m", "deeprec.cli", "launch", "--sync", "--", "train"], check=True,
-                       capture_output=True, timeout=120)
+    refused = subprocess.run([sys.executable, "-m", "deeprec.cli", "launch", "--sync", "--protocol", "grpc", "--",
+                              "train"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--sync needs a fused protocol" in refused.stderr
 
 
 def test_ps_takes_its_shard_from_tf_config():
@@ -291,3 +291,53 @@ def test_launch_resume_onto_more_ps(tmp_path):
     assert "[worker0] resumed from checkpoint-000000006.pt at step 6" in second.stdout
     assert "[worker1] resumed from checkpoint-000000006.pt at step 6" in second.stdout
     assert "2/2 workers succeeded" in second.stdout
+
+
+def test_sync_push_applies_the_average_once_per_step():
+    from deeprec.distributed.ps import ShardState
+
+    def state():
+        s = ShardState(0, 1)
+        s.register({"variables": [{"name": "e", "kind": "embedding", "dim": 2, "optimizer": "sgd", "lr": 1.0},
+                                  {"name": "w", "kind": "dense", "optimizer": "sgd", "lr": 1.0}]},
+                   {"init/w": torch.zeros(3)})
+        s.pull(["e"], {"keys/e": torch.tensor([1, 2])})
+        return s
+
+    sync, ref = state(), state()
+    g1 = {"keys/e": torch.tensor([1, 2]), "grads/e": torch.ones(2, 2), "grads/w": torch.ones(3)}
+    g2 = {"keys/e": torch.tensor([2]), "grads/e": torch.full((1, 2), 3.0), "grads/w": torch.full((3,), 3.0)}
+    sync.push(["e", "w"], g1, step=1, workers=2)
+    assert sync.applied_step == 0  # waits for the second worker
+    sync.push(["e", "w"], g2, step=1, workers=2)
+    assert sync.applied_step == 1
+    ref.push(["e", "w"], {"keys/e": torch.tensor([1, 2]), "grads/e": torch.tensor([[0.5, 0.5], [2.0, 2.0]]),
+                          "grads/w": torch.full((3,), 2.0)})
+    for name in ("e", "w"):
+        assert torch.allclose(sync.pull([name], {"keys/e": torch.tensor([1, 2])})[f"values/{name}"],
+                              ref.pull([name], {"keys/e": torch.tensor([1, 2])})[f"values/{name}"])
+    assert sync.dense["w"].optimizer.step_count == 1
+
+
+def test_sync_workers_step_together(ps_pool, unique_tsv):
+    import threading
+
+    from deeprec.trainer import TrainConfig, Trainer
+
+    addresses, _ = ps_pool(2)
+    small = {"hash_buckets": 1000, "bottom_mlp": (32, 16), "top_mlp": (32,)}
+    trainers = [Trainer(TrainConfig(model="dlrm", data=[unique_tsv], steps=6, batch_size=64, optimizer="adagrad",
+                                    ps_addresses=addresses, sync=True, num_shards=2, shard_index=i,
+                                    is_chief=i == 0, model_overrides=small, progress=False)) for i in range(2)]
+    errors = []
+    threads = [threading.Thread(target=lambda t=t: errors.append(None) if t.train() else None) for t in trainers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    a, b = (t.ps.client.snapshot() for t in trainers)
+    for key in a:
+        if key.startswith(("dense/", "opt/")):
+            assert torch.equal(a[key], b[key]), key
+    assert int(a["opt/top.0.weight"]) == 6  # one averaged update per step, not one per worker push

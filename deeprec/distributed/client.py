@@ -40,6 +40,8 @@ class PSClient:
         self._pool = concurrent.futures.ThreadPoolExecutor(max(threads, len(addresses)),
                                                            thread_name_prefix="deeprec-ps-client")
         self.dims: dict[str, int] = {}
+        self.after_step: int | None = None  # sync training: pulls wait for this step's update
+        self.sync_workers = 1
         self.bytes_sent = self.bytes_received = self.calls = 0
 
     @property
@@ -51,6 +53,8 @@ class PSClient:
 
     # -- calls -----------------------------------------------------------------------------
     def _invoke(self, method: str, ps: int, header: dict, tensors: dict) -> tuple[dict, dict]:
+        if method in ("Pull", "PushPull") and self.after_step is not None:
+            header = {**header, "after_step": self.after_step}
         request = pack(header, tensors)
         try:
             reply = self._calls[method][ps](request, timeout=self.deadline_s)
@@ -155,9 +159,16 @@ class PSClient:
                 per_ps[self.dense_owner(name)][name] = {f"{prefix}grads/{name}": g.float()}
         return per_ps
 
-    def push(self, grads: dict) -> None:
-        """{name: (keys, grads)} for embeddings, {name: grad} for dense variables."""
+    def push(self, grads: dict, step: int | None = None) -> None:
+        """{name: (keys, grads)} for embeddings, {name: grad} for dense variables.
+        Sync training (`sync_workers` > 1) sends one fused push to every PS per step."""
         per_ps = self._push_tensors(grads)
+        if self.sync_workers > 1:
+            if self.protocol == "grpc":
+                raise PSError("sync training needs a fused protocol (star_server or star_server_lite)")
+            self._fan_out([("Push", ps, {"vars": list(per_ps[ps]), "step": step, "workers": self.sync_workers},
+                            {k: v for t in per_ps[ps].values() for k, v in t.items()}) for ps in range(self.num_ps)])
+            return
         if self.protocol == "grpc":
             jobs = [("Push", ps, {"vars": [n]}, t) for ps in range(self.num_ps) for n, t in per_ps[ps].items()]
         else:

@@ -29,9 +29,8 @@ def launch(num_ps: int, num_workers: int, protocol: str, train_args: list[str], 
            out=sys.stdout, resume: bool = False) -> int:
     if protocol not in PROTOCOLS:
         raise ConfigError(f"protocol={protocol!r} is not allowed; choose one of {', '.join(PROTOCOLS)}")
-    if sync:
-        raise ConfigError("--sync (gradients of all workers averaged per step) is not implemented yet; "
-                          "training is asynchronous, as DeepRec's default")
+    if sync and protocol == "grpc":
+        raise ConfigError("--sync needs a fused protocol: star_server or star_server_lite")
     if not train_args or train_args[0] != "train":
         raise ConfigError("give the worker command after --, e.g. -- train --model dlrm --synthetic 100000")
     if num_ps < 1 or num_workers < 1:
@@ -40,6 +39,8 @@ def launch(num_ps: int, num_workers: int, protocol: str, train_args: list[str], 
         if "--checkpoint-dir" not in train_args:
             raise ConfigError("--resume needs the worker command's --checkpoint-dir")
         train_args = [*train_args, "--resume"]
+    if sync:
+        train_args = [*train_args, "--sync"]
     ps_procs, ps_addresses = [], []
     try:
         for i in range(num_ps):

@@ -23,6 +23,7 @@ import torch
 from deeprec.distributed.wire import WireError, pack, unpack
 from deeprec.nn.variable import EmbeddingVariable, shard_of
 from deeprec.optim import sparse
+from deeprec.optim.sparse import merge_rows
 
 SERVICE = "deeprec.PS"
 METHODS = ("Register", "Pull", "Push", "PushPull", "Export", "Load", "Health")
@@ -55,6 +56,8 @@ class ShardState:
         self.embeddings: dict[str, tuple[EmbeddingVariable, sparse.RowSparseOptimizer]] = {}
         self.dense: dict[str, _Dense] = {}
         self.generation = 0  # how many checkpoint restores this shard has taken
+        self.applied_step = 0  # last step whose (sync: averaged) update is applied
+        self._sync: dict[int, dict] = {}
 
     def _names(self) -> str:
         return ", ".join(sorted([*self.embeddings, *self.dense])) or "none"
@@ -112,7 +115,9 @@ class ShardState:
                 raise WireError(f"unknown variable {name!r} (this PS holds: {self._names()})")
         return out
 
-    def push(self, names: list, tensors: dict, prefix: str = "") -> None:
+    def push(self, names: list, tensors: dict, prefix: str = "", step: int | None = None, workers: int = 1) -> None:
+        """Apply gradients now (async), or, with `workers` > 1, collect step `step`'s
+        pushes and apply their average once every worker's has arrived (sync)."""
         checked = []
         for name in names:  # validate everything before changing anything
             grad = tensors.get(f"{prefix}grads/{name}")
@@ -133,6 +138,26 @@ class ShardState:
                 checked.append((name, None, grad))
             else:
                 raise WireError(f"unknown variable {name!r} (this PS holds: {self._names()})")
+        if workers > 1 and step is not None:
+            pending = self._sync.setdefault(step, {"count": 0, "grads": {}})
+            for name, keys, grad in checked:
+                pending["grads"].setdefault(name, []).append((keys, grad))
+            pending["count"] += 1
+            if pending["count"] < workers:
+                return
+            del self._sync[step]
+            checked = []
+            for name, parts in pending["grads"].items():
+                if parts[0][0] is None:
+                    checked.append((name, None, sum(g for _, g in parts) / workers))
+                else:
+                    keys, grad = merge_rows(torch.cat([k for k, _ in parts]), torch.cat([g for _, g in parts]))
+                    checked.append((name, keys, grad / workers))
+        self._apply(checked)
+        if step is not None:
+            self.applied_step = max(self.applied_step, step)
+
+    def _apply(self, checked: list) -> None:
         for name, keys, grad in checked:
             if keys is not None:
                 ev, opt = self.embeddings[name]
@@ -182,11 +207,23 @@ class PSServicer:
     def __init__(self, state: ShardState):
         self.state = state
         self.shard = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deeprec-ps-shard")
+        self.applied = threading.Condition()
 
     def _call(self, method: str, request: bytes, context) -> bytes:
         try:
             header, tensors = unpack(request)
+            after = header.get("after_step")
+            if after is not None:  # sync: a pull of step t waits for step t-1's update (on this gRPC thread)
+                with self.applied:
+                    if not self.applied.wait_for(lambda: self.state.applied_step >= int(after),
+                                                 timeout=context.time_remaining()):
+                        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                      f"PS {self.state.shard_index}: step {after} was not applied in time "
+                                      "(a sync worker is missing?)")
             reply_header, reply_tensors = self.shard.submit(self._run, method, header, tensors).result()
+            if method in ("Push", "PushPull"):
+                with self.applied:
+                    self.applied.notify_all()
             return pack(reply_header, reply_tensors)
         except WireError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"PS {self.state.shard_index}: {err}")
@@ -198,7 +235,7 @@ class PSServicer:
         if method == "Pull":
             return {}, s.pull(_names(header, "vars"), tensors, train=bool(header.get("train", True)))
         if method == "Push":
-            s.push(_names(header, "vars"), tensors)
+            s.push(_names(header, "vars"), tensors, step=header.get("step"), workers=int(header.get("workers", 1)))
             return {}, {}
         if method == "PushPull":  # star_server_lite: step t's push and step t+1's pull
             s.push(_names(header, "push"), tensors, "push.")

@@ -62,13 +62,18 @@ class PSSession:
         client.wait_ready()
         client.register(embeddings, {n: p.detach() for n, p in self.dense.items()}, optimizer, lr, defaults)
 
+    def begin_step(self, step: int) -> None:
+        """Sync training: this step's pulls wait until the previous step is applied everywhere."""
+        if self.client.sync_workers > 1:
+            self.client.after_step = step - 1
+
     def pull_dense(self) -> None:
         values = self.client.pull({}, list(self.dense))
         with torch.no_grad():
             for name, p in self.dense.items():
                 p.copy_(values[name])
 
-    def push(self) -> None:
+    def push(self, step: int | None = None) -> None:
         grads = {}
         for remote in self.remotes:
             grads.update(remote.pending)
@@ -77,4 +82,4 @@ class PSSession:
             if p.grad is not None:
                 grads[name] = p.grad.to_dense() if p.grad.is_sparse else p.grad
                 p.grad = None
-        self.client.push(grads)
+        self.client.push(grads, step)
