@@ -60,3 +60,10 @@ def synthetic_criteo(rows: int) -> str:
         write_synthetic(path + ".tmp", rows, cardinalities="kaggle", seed=0)
         os.replace(path + ".tmp", path)
     return path
+
+
+def save_figure(fig, name: str) -> None:
+    """Lay out, write results/<name>.png, and say where."""
+    fig.tight_layout()
+    fig.savefig(plot_path(name))
+    print("saved", plot_path(name))

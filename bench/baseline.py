@@ -17,12 +17,11 @@ would hide that cost.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
 
-from _common import plot_path, print_table, save_json, summarize, synthetic_criteo
+from _common import save_figure, print_table, save_json, summarize, synthetic_criteo
 from deeprec.data import CriteoReader
 from deeprec.models import build_model
 from deeprec.models.common import dense_features, sparse_ids
@@ -117,9 +116,7 @@ def main() -> None:
         left = [a + b for a, b in zip(left, widths)]
     ax.set_xlabel(f"ms per step (batch {args.batch_size}, mean)")
     ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(plot_path("baseline"))
-    print("saved", plot_path("baseline"))
+    save_figure(fig, "baseline")
 
 
 if __name__ == "__main__":

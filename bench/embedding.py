@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import statistics
 import time
 
 import numpy as np
 import torch
 
 import deeprec as dr
-from _common import plot_path, print_table, save_json, summarize, synthetic_criteo
+from _common import save_figure, print_table, save_json, summarize, synthetic_criteo
 from deeprec import optim
 from deeprec.data import KAGGLE_CARDINALITIES, CriteoReader
 from deeprec.models import build_model
@@ -254,9 +253,7 @@ def main() -> None:
         ax.set_yscale("log")
         ax.set_title(f"DLRM step, {label} rows/table")
         ax.set_ylabel("ms (median, log scale)")
-    fig.tight_layout()
-    fig.savefig(plot_path("embedding"))
-    print("saved", plot_path("embedding"))
+    save_figure(fig, "embedding")
 
 
 if __name__ == "__main__":

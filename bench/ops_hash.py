@@ -14,7 +14,7 @@ import time
 import numpy as np
 import torch
 
-from _common import plot_path, print_table, save_json, summarize
+from _common import plot_path, save_figure, print_table, save_json, summarize
 from deeprec import ops
 from deeprec.data import CriteoReader, write_synthetic
 
@@ -59,9 +59,7 @@ def main() -> None:
     ax.axhline(BUDGET_MS, color="red", linestyle="--", label="budget 2 ms")
     ax.set_ylabel("ms per 512 x 26 strings")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(plot_path("ops_hash"))
-    print("saved", plot_path("ops_hash"))
+    save_figure(fig, "ops_hash")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from _common import plot_path, print_table, save_json
+from _common import save_figure, print_table, save_json
 
 DENSE_SHAPES = {"bottom.0": (512, 13), "bottom.1": (256, 512), "bottom.2": (64, 256), "bottom.3": (16, 64),
                 "top.0": (512, 367), "top.1": (256, 512), "top.2": (1, 256)}
@@ -122,9 +122,7 @@ def main() -> None:
     ax.set_xticks([i + 0.27 for i in range(len(cases))], labels)
     ax.set_ylabel("steps/s per worker")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(plot_path("ps"))
-    print("saved", plot_path("ps"))
+    save_figure(fig, "ps")
 
 
 if __name__ == "__main__":

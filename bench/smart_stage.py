@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 import deeprec as dr
-from _common import plot_path, print_table, save_json, summarize, synthetic_criteo
+from _common import save_figure, print_table, save_json, summarize, synthetic_criteo
 from deeprec import ops
 from deeprec.data import CriteoReader
 from deeprec.models.common import CRITEO_SPARSE, MLP, dense_features, make_embeddings
@@ -198,9 +198,7 @@ def main() -> None:
     ax.axvline(ideal, color="black", linestyle="--", linewidth=1, label="ideal overlap")
     ax.set_xlabel("ms per step (median, p10-p90)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(plot_path("smart_stage"))
-    print("saved", plot_path("smart_stage"))
+    save_figure(fig, "smart_stage")
 
 
 if __name__ == "__main__":
