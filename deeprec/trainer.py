@@ -180,6 +180,7 @@ class Trainer:
         if self.ps is None:
             state.update(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
         elif self.cfg.is_chief:  # the chief snapshots every PS (each row with its slots)
+            self.ps.flush()
             state["ps"] = self.ps.client.snapshot()
         return state
 
@@ -268,6 +269,8 @@ class Trainer:
                     self.save()
                 elif cfg.checkpoint_dir and cfg.incremental_every and self.step % cfg.incremental_every == 0:
                     self.save(incremental=True)
+        if self.ps is not None:
+            self.ps.flush()
         elapsed = time.perf_counter() - started
         if cfg.checkpoint_dir and self.step > start_step:
             self.save()

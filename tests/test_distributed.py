@@ -341,3 +341,21 @@ def test_sync_workers_step_together(ps_pool, unique_tsv):
         if key.startswith(("dense/", "opt/")):
             assert torch.equal(a[key], b[key]), key
     assert int(a["opt/top.0.weight"]) == 6  # one averaged update per step, not one per worker push
+
+
+def test_lite_protocol_in_training_saves_round_trips_with_the_same_result(ps_pool, unique_tsv):
+    from deeprec.trainer import TrainConfig, Trainer
+
+    small = {"hash_buckets": 1000, "bottom_mlp": (32, 16), "top_mlp": (32,)}
+    runs = {}
+    for protocol in ("star_server", "star_server_lite"):
+        addresses, _ = ps_pool(2)
+        t = Trainer(TrainConfig(model="dlrm", data=[unique_tsv], steps=10, batch_size=64, optimizer="adagrad",
+                                ps_addresses=addresses, protocol=protocol, model_overrides=small, progress=False))
+        t.train()
+        runs[protocol] = (t.ps.client.calls, t.ps.client.snapshot())
+    (calls_star, star), (calls_lite, lite) = runs["star_server"], runs["star_server_lite"]
+    assert calls_lite < calls_star
+    for key in star:
+        if key.startswith("dense/"):
+            assert torch.allclose(star[key], lite[key], atol=1e-6), key

@@ -59,6 +59,7 @@ class PSSession:
                 embeddings.update({n: lookup.dim for n in names})
                 defaults.update({n: ev._defaults for n, ev in zip(names, lookup.variables)})
         self.dense = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self._deferred = None
         client.wait_ready()
         client.register(embeddings, {n: p.detach() for n, p in self.dense.items()}, optimizer, lr, defaults)
 
@@ -68,7 +69,12 @@ class PSSession:
             self.client.after_step = step - 1
 
     def pull_dense(self) -> None:
-        values = self.client.pull({}, list(self.dense))
+        if self._deferred is not None:  # star_server_lite: last step's push rides with this pull
+            grads, _ = self._deferred
+            self._deferred = None
+            values = self.client.push_pull(grads, {}, list(self.dense))
+        else:
+            values = self.client.pull({}, list(self.dense))
         with torch.no_grad():
             for name, p in self.dense.items():
                 p.copy_(values[name])
@@ -82,4 +88,14 @@ class PSSession:
             if p.grad is not None:
                 grads[name] = p.grad.to_dense() if p.grad.is_sparse else p.grad
                 p.grad = None
-        self.client.push(grads, step)
+        if self.client.protocol == "star_server_lite" and self.client.sync_workers <= 1:
+            self._deferred = (grads, step)  # sent with the next step's pull (or by flush)
+        else:
+            self.client.push(grads, step)
+
+    def flush(self) -> None:
+        """Send a push still held back by star_server_lite (end of training, checkpoints)."""
+        if self._deferred is not None:
+            grads, step = self._deferred
+            self._deferred = None
+            self.client.push(grads, step)
