@@ -143,10 +143,10 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         if cfg.flush_denormal:
             torch.set_flush_denormal(True)
-        overrides = dict(cfg.model_overrides)
+        self.model_overrides = dict(cfg.model_overrides)  # as built, and as checkpoints record it
         if cfg.embedding is not None or cfg.ps_addresses:
-            overrides["embedding"] = cfg.embedding or "variable"
-        self.model = build_model(cfg.model, **overrides)
+            self.model_overrides["embedding"] = cfg.embedding or "variable"
+        self.model = build_model(cfg.model, **self.model_overrides)
         self.ps = None
         if cfg.ps_addresses:  # parameters and their optimizer live on the parameter servers
             from deeprec.distributed import PSClient
@@ -172,10 +172,7 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------
     def state(self) -> dict:
-        overrides = dict(self.cfg.model_overrides)
-        if self.cfg.embedding is not None:
-            overrides["embedding"] = self.cfg.embedding
-        state = {"model_name": self.cfg.model, "model_overrides": overrides, "step": self.step,
+        state = {"model_name": self.cfg.model, "model_overrides": self.model_overrides, "step": self.step,
                  "reader": self._reader_state, "torch_rng": torch.get_rng_state()}
         if self.ps is None:
             state.update(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())

@@ -107,13 +107,14 @@ class PSClient:
                     where[name].append((ps, idx))
         return per_ps, where
 
-    def _pull_jobs(self, per_ps, dense: list[str], method: str = "Pull", prefix: str = ""):
+    def _pull_jobs(self, per_ps, dense: list[str], train: bool):
+        """One fused Pull per PS holding any of the keys or dense variables."""
         jobs = []
         for ps in range(self.num_ps):
             names = list(per_ps[ps]) + [n for n in dense if self.dense_owner(n) == ps]
-            tensors = {f"{prefix}keys/{n}": k for n, k in per_ps[ps].items()}
             if names:
-                jobs.append((method, ps, {"vars": names} if not prefix else {"pull": names}, tensors))
+                jobs.append(("Pull", ps, {"vars": names, "train": train},
+                             {f"keys/{n}": k for n, k in per_ps[ps].items()}))
         return jobs
 
     def _assemble(self, keys, where, replies_by_ps: dict[int, dict], dense: list[str]) -> dict:
@@ -138,9 +139,7 @@ class PSClient:
             for (_, ps, _, _), (_, tensors) in zip(jobs, self._fan_out(jobs)):
                 replies.setdefault(ps, {}).update(tensors)
         else:
-            jobs = self._pull_jobs(per_ps, list(dense))
-            for job in jobs:
-                job[2]["train"] = train
+            jobs = self._pull_jobs(per_ps, list(dense), train)
             for (_, ps, _, _), (_, tensors) in zip(jobs, self._fan_out(jobs)):
                 replies[ps] = tensors
         return self._assemble(keys, where, replies, list(dense))

@@ -295,11 +295,10 @@ def main(argv=None) -> int:
     server, port = serve(args.bind, args.shard, args.num_shards, args.threads)
     host = args.bind.rpartition(":")[0]
     print(f"deeprec PS {args.shard}/{args.num_shards} listening on {host}:{port}", flush=True)
-    stop = threading.Event()
     try:
         server.wait_for_termination()
     except KeyboardInterrupt:
-        stop.set()
+        server.stop(None)
     return 0
 
 

@@ -263,10 +263,7 @@ class EmbeddingVariable(nn.Module):
         mine = shard_of(keys, self.num_shards) == self.shard_index
         pick = {k: v[mine] for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
         if not merge:
-            slot_specs = dict(self._slot_init)
-            self._reset(max(16, 2 * int(mine.sum())))
-            self._slot_init = slot_specs
-            self.slots = {name: self._new_slot(name, self.capacity) for name in slot_specs}
+            self._reset(max(16, 2 * int(mine.sum())))  # keeps the declared slots, at their initial values
         keys = pick["keys"]
         rows = torch.from_numpy(self._index.lookup(keys.numpy()))
         new = rows < 0
