@@ -1,4 +1,5 @@
 """EmbeddingCollection (fused lookup) and EmbeddingVariable."""
+import copy
 import threading
 
 import pytest
@@ -137,6 +138,18 @@ def test_filters_admit_after_filter_freq_sightings(filter_option):
     before = ev.weight[0].clone()
     out.sum().backward()
     assert torch.equal(ev.weight[0], before - 1.0)
+
+
+def test_deepcopy_keeps_rows_and_admission_state():
+    opt = EmbeddingVariableOption(filter_option=CounterFilter(filter_freq=2))
+    ev = EmbeddingVariable(4, ev_option=opt)
+    ev.rows_for(torch.tensor([1, 2, 3]))  # first sightings: pending
+    ev.rows_for(torch.tensor([1]))  # admitted
+    twin = copy.deepcopy(ev)
+    assert twin.size == 1 and torch.equal(twin.weight[:1], ev.weight[:1])
+    for model in (ev, twin):  # the copy has its own index and pending counts, in the same state
+        assert model.rows_for(torch.tensor([1, 2, 4])).tolist() == [0, 1, -1]
+    assert twin.rows_for(torch.tensor([5])).tolist() == [-1] and ev.size == twin.size == 2
 
 
 def test_evictions_apply_at_save():

@@ -18,10 +18,13 @@ SMART = dr.Config(smart_stage=True, smart_stage_options=dr.SmartStageOptions(cap
                   main_threads=torch.get_num_threads())  # same intra-op threads: bit-identical math
 
 
-@pytest.mark.parametrize("name", ["dlrm", "deepfm", "wdl"])
-def test_training_identical_with_and_without_smart_stage(name, sample):
+@pytest.mark.parametrize("name,embedding", [("dlrm", "table"), ("deepfm", "table"), ("wdl", "table"),
+                                            ("dlrm", "variable")])
+def test_training_identical_with_and_without_smart_stage(name, embedding, sample):
+    """EmbeddingVariables too: their lookup inserts keys, so it must stay in the step
+    (staged ahead, it would read rows before the previous step's update)."""
     torch.manual_seed(0)
-    plain = build_model(name, hash_buckets=500)
+    plain = build_model(name, hash_buckets=500, embedding=embedding)
     staged_model = copy.deepcopy(plain)
     fast = dr.optimize(staged_model, SMART)
     assert fast.staged
@@ -42,6 +45,8 @@ def test_training_identical_with_and_without_smart_stage(name, sample):
     assert len(plain_losses) == 14 and plain_losses == staged_losses
     for (k, a), b in zip(plain.state_dict().items(), staged_model.state_dict().values(), strict=True):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, k
+    if embedding == "variable":
+        assert "embeddings_lookup" in fast.partition.kept
 
 
 def test_first_step_outputs_and_gradients_identical(sample):
@@ -172,7 +177,7 @@ def test_explain_reports_partition_and_reasons():
     assert "string_to_hash_bucket x26" in text and "fill_missing x13" in text
     assert "prepare_bags" in text.split("main (")[0]  # dedup and bag layout run in the stage
     assert "cut (7 values" in text and "batch['label']" in text and "prepare_bags[1]" in text
-    assert "embeddings_lookup: depends on parameter embeddings.lookup.weight" in text
+    assert "embeddings_lookup: stateful module embeddings.lookup (FusedLookup)" in text
     off = dr.optimize(build_model("dlrm")).explain()
     assert "SmartStage off" in off
 

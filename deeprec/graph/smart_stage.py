@@ -54,6 +54,8 @@ def _origin_reason(node: torch.fx.Node, root: nn.Module) -> str | None:
         return f"depends on parameter/buffer {node.target}"
     if node.op == "call_module":
         module = root.get_submodule(node.target)
+        if getattr(module, "_deeprec_stateful", False):  # state outside parameters/buffers (EmbeddingVariable)
+            return f"stateful module {node.target} ({type(module).__name__})"
         for pname, _ in module.named_parameters():
             return f"depends on parameter {node.target}.{pname}"
         for bname, _ in module.named_buffers():

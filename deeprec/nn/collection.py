@@ -41,6 +41,7 @@ class FusedLookup(nn.Module):
     """The stateful half of the lookup: tables, optimizer state, gradient sink."""
 
     _deeprec_leaf = True  # captured as one node (deeprec.graph.capture)
+    _deeprec_stateful = True  # inserts keys and takes updates: never staged (deeprec.graph.smart_stage)
 
     def __init__(self, features: list[EmbeddingFeature], dim: int, max_norm: float | None, init_bound: float):
         super().__init__()

@@ -65,6 +65,12 @@ def _mix64(x: np.ndarray, salt: int) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+def _grown(t: torch.Tensor, size: int) -> torch.Tensor:
+    out = torch.zeros(size, dtype=t.dtype)
+    out[: t.numel()] = t
+    return out
+
+
 class EmbeddingVariable(nn.Module):
     def __init__(self, embedding_dim: int, *, key_dtype: torch.dtype = torch.int64,
                  ev_option: EmbeddingVariableOption | None = None, name: str | None = None,
@@ -84,6 +90,25 @@ class EmbeddingVariable(nn.Module):
         self.global_step = 0
         self._reset(initial_capacity)
 
+    # -- copies (copy.deepcopy, pickle): the lock and the hash indexes are rebuilt ---------
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        for name in ("_lock", "_index", "_pending_index"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._lock = threading.RLock()
+        self._index = KeyIndex(max(self.capacity, 16))
+        self._index.insert(self.keys[: self.size].numpy(), np.arange(self.size, dtype=np.int64))
+        if isinstance(self.option.filter_option, CounterFilter):
+            self._pending_index = KeyIndex()
+            self._pending_index.insert(self._pending_keys[: self._pending_size].numpy(),
+                                       np.arange(self._pending_size, dtype=np.int64))
+        else:
+            self._pending_index = None
+
     # -- storage ------------------------------------------------------------------------
     def _reset(self, capacity: int) -> None:
         capacity = max(capacity, 16)
@@ -98,6 +123,7 @@ class EmbeddingVariable(nn.Module):
         f = self.option.filter_option
         self._pending_index = KeyIndex() if isinstance(f, CounterFilter) else None
         self._pending_counts = torch.zeros(0, dtype=torch.int64)
+        self._pending_keys = torch.zeros(0, dtype=torch.int64)  # kept so the index can be rebuilt (copies)
         self._pending_size = 0
         if isinstance(f, CBFFilter):
             m, self._cbf_hashes = f.sizing()
@@ -169,9 +195,10 @@ class EmbeddingVariable(nn.Module):
                 self._pending_index.insert(keys[new].numpy(), fresh.numpy())
                 self._pending_size += n_new
                 if self._pending_size > self._pending_counts.numel():
-                    grown = torch.zeros(max(self._pending_size, 2 * self._pending_counts.numel()), dtype=torch.int64)
-                    grown[: self._pending_counts.numel()] = self._pending_counts
-                    self._pending_counts = grown
+                    size = max(self._pending_size, 2 * self._pending_counts.numel())
+                    self._pending_counts = _grown(self._pending_counts, size)
+                    self._pending_keys = _grown(self._pending_keys, size)
+                self._pending_keys[fresh] = keys[new]
                 slots[new] = fresh
             self._pending_counts.index_add_(0, slots, counts)
             return self._pending_counts[slots] >= f.filter_freq
