@@ -67,8 +67,10 @@ def cmd_train(args, console: Console) -> int:
         ps = dict(ps_addresses=[endpoints.get(a, a) for a in task.cluster.job_tasks("ps")],
                   shard_index=task.task_index, num_shards=task.cluster.num_tasks("worker"),
                   is_chief=task.task_index == 0, protocol=os.environ.get("DEEPREC_PROTOCOL", args.protocol),
-                  sync=args.sync)
+                  sync=args.sync, async_embedding=args.async_embedding)
         eval_fraction = 0.0 if ps["num_shards"] > 1 else eval_fraction
+    elif args.async_embedding:
+        raise DeepRecError("--async-embedding applies to parameter-server workers (deeprec launch ... -- train)")
     cfg = TrainConfig(model=args.model, data=data, eval_data=eval_data or [], eval_fraction=eval_fraction,
                       steps=args.steps, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                       optimizer=args.optimizer, shuffle_buffer=args.shuffle_buffer, seed=args.seed,
@@ -195,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--protocol", choices=("grpc", "star_server", "star_server_lite"), default="star_server",
                     help="parameter-server protocol when run as a PS worker (TF_CONFIG set)")
     tr.add_argument("--sync", action="store_true", help="PS worker: average all workers' gradients per step")
+    tr.add_argument("--async-embedding", action="store_true",
+                    help="PS worker with --smart-stage: pull batch t+1's embedding rows while batch t computes")
 
     la = sub.add_parser("launch", help="run a parameter-server job on this machine")
     la.add_argument("--ps", type=int, default=1)

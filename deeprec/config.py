@@ -94,6 +94,11 @@ class Config:
     stage_thread_pools: pools that `SmartStageOptions.stage_subgraph_thread_pool_id` indexes.
     main_threads: torch intra-op threads of the training step while the stage runs
         (None: cores minus the stage's threads, at least 1).
+    async_embedding: with embeddings on parameter servers, pull a batch's rows in the
+        stage's runner thread, right after its stage ran, instead of inside the step:
+        the pull of batch t+1 overlaps batch t's compute. Rows are read before the
+        updates of at most capacity + num_threads earlier steps have landed (bounded
+        staleness, as DeepRec's async embedding); needs smart_stage=True.
     """
 
     smart_stage: bool = False
@@ -101,6 +106,7 @@ class Config:
     stage_subgraph_on_cpu: bool = False
     stage_thread_pools: list = field(default_factory=list)
     main_threads: int | None = None
+    async_embedding: bool = False
 
     def __post_init__(self):
         if not isinstance(self.smart_stage_options, SmartStageOptions):
@@ -119,6 +125,9 @@ class Config:
                     f"but Config.stage_thread_pools declares {n} pool(s) ({declared})")
         if self.main_threads is not None:
             _positive("Config", main_threads=self.main_threads)
+        if self.async_embedding and not self.smart_stage:
+            raise ConfigError("Config.async_embedding=True pulls rows in the SmartStage prefetch: "
+                              "it needs smart_stage=True")
 
     def stage_pool(self) -> ThreadPoolOptions | None:
         opts = self.smart_stage_options

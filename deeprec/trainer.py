@@ -69,6 +69,7 @@ class TrainConfig:
     num_shards: int = 1
     is_chief: bool = True  # evaluates at the end
     sync: bool = False  # PS training: average every worker's gradients per step (num_shards workers)
+    async_embedding: bool = False  # PS training + SmartStage: pull batch t+1's rows while batch t computes
 
     def __post_init__(self):
         if isinstance(self.data, str):
@@ -88,6 +89,12 @@ class TrainConfig:
         if self.ps_addresses and self.embedding not in (None, "variable"):
             raise ConfigError("parameter-server training keeps embeddings as EmbeddingVariables: "
                               f"embedding={self.embedding!r} is not supported there")
+        if self.async_embedding and not (self.ps_addresses and self.smart_stage):
+            raise ConfigError("async_embedding pulls embedding rows from the parameter servers in the "
+                              "SmartStage prefetch: it needs ps_addresses and smart_stage=True")
+        if self.async_embedding and self.sync:
+            raise ConfigError("sync training reads each step's rows after the previous update; async_embedding "
+                              "reads them earlier: choose one")
         if self.num_shards > 1 and self.eval_fraction:
             raise ConfigError("a sharded worker cannot also hold out eval_fraction: give eval_data")
 
@@ -161,7 +168,7 @@ class Trainer:
         self.fast, self._hook = None, None
         if cfg.smart_stage:
             self.fast = optimize(self.model, Config(
-                smart_stage=True, main_threads=cfg.main_threads,
+                smart_stage=True, main_threads=cfg.main_threads, async_embedding=cfg.async_embedding,
                 smart_stage_options=SmartStageOptions(capacity=cfg.capacity, num_threads=cfg.stage_threads,
                                                       executor=cfg.stage_executor)))
         self.train_reader, self.eval_reader = make_readers(cfg)

@@ -95,7 +95,10 @@ def test_malformed_requests_get_clear_errors_and_the_ps_lives(ps_pool):
     channel = grpc.insecure_channel(address)
     pull = channel.unary_unary(f"/{SERVICE}/Pull")
     push = channel.unary_unary(f"/{SERVICE}/Push")
+    register = channel.unary_unary(f"/{SERVICE}/Register")
     cases = [
+        (register, pack({"variables": [{"name": "e2", "kind": "embedding", "dim": 4, "lr": 0.0}]}, {}),
+         "lr must be > 0"),
         (pull, b"\x01\x02", "message shorter than its length prefix"),
         (pull, pack({"vars": ["nope"]}, {"keys/nope": torch.arange(3)}), "unknown variable 'nope'"),
         (pull, pack({"vars": ["emb"]}, {"keys/emb": torch.arange(3).float()}), "must be a 1-D int64 tensor"),
@@ -359,3 +362,37 @@ def test_lite_protocol_in_training_saves_round_trips_with_the_same_result(ps_poo
     for key in star:
         if key.startswith("dense/"):
             assert torch.allclose(star[key], lite[key], atol=1e-6), key
+
+
+def test_async_embedding_pulls_rows_in_the_prefetch(ps_pool, unique_tsv):
+    """Rows of batch t+1 are pulled by the stage thread; the step uses them. With a
+    vanishing lr nothing changes, so any mix-up of batches and rows would show in the losses."""
+    from deeprec.trainer import TrainConfig, Trainer
+
+    small = {"hash_buckets": 1000, "bottom_mlp": (32, 16), "top_mlp": (32,)}
+    runs = {}
+    for lr in (1e-30, 0.05):
+        for async_embedding in (False, True):
+            addresses, _ = ps_pool(2)
+            t = Trainer(TrainConfig(model="dlrm", data=[unique_tsv], steps=10, batch_size=64, optimizer="sgd",
+                                    lr=lr, ps_addresses=addresses, smart_stage=True, capacity=2,
+                                    async_embedding=async_embedding, model_overrides=small, progress=False))
+            losses = []  # the top layer's outputs (the graph calls submodules, not model.forward)
+            t.model.top[-1].register_forward_hook(lambda m, a, out: losses.append(out.abs().sum().item()))
+            t.train()
+            remote = t.ps.remotes[0]
+            runs[lr, async_embedding] = losses, remote.prefetch_hits, remote.direct_pulls
+    assert runs[1e-30, True][0] == runs[1e-30, False][0]  # same rows for the same batches
+    for lr in (1e-30, 0.05):
+        assert runs[lr, True][1:] == (10, 0) and runs[lr, False][1:] == (0, 10)
+    stale, fresh = runs[0.05, True][0], runs[0.05, False][0]
+    assert stale != fresh and abs(sum(stale) - sum(fresh)) < 0.05 * sum(fresh)  # bounded staleness
+
+
+def test_async_embedding_needs_ps_and_smart_stage(tmp_path):
+    from deeprec.trainer import TrainConfig
+
+    with pytest.raises(ConfigError, match="needs ps_addresses and smart_stage"):
+        TrainConfig(model="dlrm", data=["x"], async_embedding=True, ps_addresses=["a:1"])
+    with pytest.raises(ConfigError, match="choose one"):
+        TrainConfig(model="dlrm", data=["x"], async_embedding=True, ps_addresses=["a:1"], smart_stage=True, sync=True)

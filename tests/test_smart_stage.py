@@ -172,6 +172,14 @@ def test_untraceable_model_names_the_line_and_suggests_op():
     assert "@deeprec.op" in message
 
 
+def test_async_embedding_needs_smart_stage():
+    with pytest.raises(dr.ConfigError, match="needs smart_stage=True"):
+        dr.Config(async_embedding=True)
+    fast = dr.optimize(build_model("dlrm", embedding="variable"), dr.Config(smart_stage=True, async_embedding=True))
+    (lookup, index), = fast.async_lookups  # the lookup's keys come out of the stage
+    assert lookup is fast.model.embeddings.lookup and fast.partition.cut[index] == "getitem_39"
+
+
 def test_explain_reports_partition_and_reasons():
     text = dr.optimize(build_model("dlrm"), dr.Config(smart_stage=True)).explain()
     assert "string_to_hash_bucket x26" in text and "fill_missing x13" in text

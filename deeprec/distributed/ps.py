@@ -21,6 +21,7 @@ import grpc
 import torch
 
 from deeprec.distributed.wire import WireError, pack, unpack
+from deeprec.errors import ConfigError
 from deeprec.nn.variable import EmbeddingVariable, shard_of
 from deeprec.optim import sparse
 from deeprec.optim.sparse import merge_rows
@@ -34,7 +35,10 @@ GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receiv
 def make_optimizer(name: str, lr: float) -> sparse.RowSparseOptimizer:
     if name not in sparse.OPTIMIZERS:
         raise WireError(f"optimizer {name!r} is not one of {', '.join(sparse.OPTIMIZERS)}")
-    return sparse.OPTIMIZERS[name](lr=lr)
+    try:
+        return sparse.OPTIMIZERS[name](lr=lr)
+    except (ConfigError, ValueError) as err:  # a bad request, not a PS failure
+        raise WireError(f"optimizer {name!r}: {err}") from None
 
 
 class _Dense:

@@ -9,6 +9,8 @@ partitioned over the PSs by `key % 1000 % num_ps`. The optimizer runs on the PSs
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
@@ -18,17 +20,41 @@ from deeprec.nn.collection import EmbeddingCollection
 
 
 class RemoteTables:
-    """Stands in for a collection's EmbeddingVariables: rows come from and go to the PSs."""
+    """Stands in for a collection's EmbeddingVariables: rows come from and go to the PSs.
+
+    With async embedding, `prefetch` pulls a staged batch's rows from the stage's
+    runner thread; the step's `pull` then finds them instead of calling the PSs."""
 
     def __init__(self, client: PSClient, names: list[str]):
         self.client, self.names = client, names
         self.pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._keys: list[torch.Tensor] = []
+        self._prefetched: dict[int, tuple[object, torch.Tensor]] = {}  # id(keys) -> (keys, rows)
+        self._lock = threading.Lock()
+        self.prefetch_hits = self.direct_pulls = 0
+
+    def _fetch(self, uniques, train: bool) -> torch.Tensor:
+        values = self.client.pull(dict(zip(self.names, uniques)), train=train)
+        return torch.cat([values[n] for n in self.names])
+
+    def prefetch(self, uniques, train: bool) -> None:
+        rows = self._fetch(uniques, train)
+        with self._lock:
+            self._prefetched[id(uniques)] = (uniques, rows)  # the entry keeps `uniques` alive: ids stay unique
+
+    def discard_prefetched(self) -> None:
+        with self._lock:
+            self._prefetched.clear()
 
     def pull(self, uniques, train: bool) -> torch.Tensor:
         self._keys = list(uniques)
-        values = self.client.pull(dict(zip(self.names, self._keys)), train=train)
-        return torch.cat([values[n] for n in self.names])
+        with self._lock:
+            entry = self._prefetched.pop(id(uniques), None)
+        if entry is not None and entry[0] is uniques:
+            self.prefetch_hits += 1
+            return entry[1]
+        self.direct_pulls += 1
+        return self._fetch(self._keys, train)
 
     def receive(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
         start = 0  # rows are 0..U-1 in feature order (see FusedLookup.forward)

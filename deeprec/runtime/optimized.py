@@ -15,6 +15,7 @@ import os
 from collections import Counter
 
 import torch
+import torch.fx
 from torch import nn
 from torch.profiler import record_function
 
@@ -45,6 +46,9 @@ class OptimizedModel(nn.Module):
         if config.smart_stage or has_marker:
             self.partition = smart_stage_pass(self.graph_module, smart_stage=config.smart_stage)
         self.device = _device_of(model)
+        self.async_lookups: list[tuple[nn.Module, int]] = []  # (FusedLookup, index of its keys in the cut)
+        if config.async_embedding:
+            self.async_lookups = _async_lookups(self.graph_module, self.partition)
 
     @property
     def staged(self) -> bool:
@@ -106,8 +110,9 @@ class PrefetchHook:
         main_threads = cfg.main_threads or max(1, (os.cpu_count() or 1) - stage_threads)
         self._saved_threads = torch.get_num_threads()
         torch.set_num_threads(main_threads)  # background + intra-op <= cores
+        after_stage = _start_pulls(self.fast.async_lookups) if self.fast.async_lookups else None
         self.runner = PrefetchRunner(self.reader, self.fast.partition.stage, opts, pool=pool,
-                                     transfer=transfer, name=opts.name)
+                                     transfer=transfer, after_stage=after_stage, name=opts.name)
         return self
 
     def __iter__(self):
@@ -122,11 +127,38 @@ class PrefetchHook:
 
     def __exit__(self, *exc) -> None:
         self.runner.close()
+        for lookup, _ in self.fast.async_lookups:
+            if lookup.remote is not None:
+                lookup.remote.discard_prefetched()  # batches staged but never trained on
         torch.set_num_threads(self._saved_threads)
 
     @property
     def stats(self):
         return self.runner.stats
+
+
+def _async_lookups(gm: torch.fx.GraphModule, partition: StagePartition | None) -> list:
+    """The embedding lookups whose keys come out of the stage, with their cut index."""
+    from deeprec.nn.collection import FusedLookup
+
+    cut = partition.cut if partition is not None and partition.stage is not None else []
+    found = []
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and isinstance(gm.get_submodule(node.target), FusedLookup):
+            keys = node.args[0]
+            if isinstance(keys, torch.fx.Node) and keys.name in cut:
+                found.append((gm.get_submodule(node.target), cut.index(keys.name)))
+    return found
+
+
+def _start_pulls(lookups: list):
+    """after_stage callback: pull each remote lookup's rows for the batch just staged."""
+    def pull(values: tuple) -> None:
+        for lookup, index in lookups:
+            if lookup.remote is not None:
+                with record_function("deeprec.ps.async_pull"):
+                    lookup.remote.prefetch(values[index], train=lookup.training)
+    return pull
 
 
 def make_prefetch_hook(fast: OptimizedModel, reader) -> PrefetchHook:
@@ -166,6 +198,9 @@ def explain(fast: OptimizedModel) -> str:
 
     lines.append(f"cut ({len(part.cut)} values passed from stage to main): "
                  + ", ".join(value_name(n) for n in part.cut))
+    if fast.config.async_embedding:
+        lines.append(f"async embedding: {len(fast.async_lookups)} lookup(s) pull their rows from the parameter "
+                     "servers in the prefetch, right after their keys are staged")
     if part.kept:
         lines.append("data-side nodes kept in main, and why:")
         lines += [f"  {node}: {reason}" for node, reason in part.kept.items()]

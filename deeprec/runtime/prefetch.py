@@ -58,7 +58,7 @@ class StagedBatch:
 class PrefetchRunner:
     def __init__(self, source: Iterable, stage_fn: Callable[[Any], tuple], options: SmartStageOptions,
                  *, pool: ThreadPoolOptions | None = None, transfer: Callable[[tuple], tuple] | None = None,
-                 name: str | None = None):
+                 after_stage: Callable[[tuple], None] | None = None, name: str | None = None):
         self.options = options
         self.stats = PrefetchStats()
         self.name = name or options.name or "stage"
@@ -71,6 +71,7 @@ class PrefetchRunner:
         else:
             self._iterator, self._stage_fn = iter(source), stage_fn
         self._transfer = transfer
+        self._after_stage = after_stage  # runs on the stage values in the runner thread (async embedding pulls)
         self._cond = threading.Condition()
         self._source_lock = threading.Lock()
         self._buffer: dict[int, StagedBatch] = {}
@@ -123,6 +124,9 @@ class PrefetchRunner:
                         values = self._executor.submit(self._stage_fn, raw).result()
                     else:
                         values = self._stage_fn(raw)
+                if self._after_stage is not None:
+                    with record_function("deeprec.stage.after"):
+                        self._after_stage(values)
                 item = StagedBatch(values, seq, state)
                 if self._transfer is not None:
                     with record_function("deeprec.stage.h2d"):
