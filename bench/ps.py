@@ -9,6 +9,10 @@ dense DLRM parameters (~475k floats), then pushes their gradients:
 
 Communication only (no model compute). Reported: steps/s per worker (median over
 workers), bytes per step, PS CPU seconds per step (from /proc).
+
+Then training with compute: 1 PS + 1 worker (this process) training DLRM with
+SmartStage, star_server, with and without async embedding (the pull of batch t+1
+runs in the stage thread while batch t computes); rounds alternate the two.
 """
 from __future__ import annotations
 
@@ -90,10 +94,52 @@ def run_case(protocol: str, workers: int, batch: int, steps: int) -> dict:
             "ps_cpu_ms_per_step": 1e3 * cpu / (workers * (steps + 1))}
 
 
+def run_training(async_embedding: bool, steps: int, data: str) -> float:
+    from deeprec.trainer import TrainConfig, Trainer
+
+    ps = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "127.0.0.1:0", "--workers", "1"],
+                          stdout=subprocess.PIPE, text=True)
+    address = ps.stdout.readline().split()[-1]
+    try:
+        cfg = TrainConfig(model="dlrm", data=[data], steps=steps, batch_size=512, optimizer="adagrad", lr=0.01,
+                          ps_addresses=[address], smart_stage=True, main_threads=1,
+                          async_embedding=async_embedding, progress=False)
+        result = Trainer(cfg).train()
+    finally:
+        ps.kill()
+        ps.wait(10)
+    return result["samples_per_s"]
+
+
+def training_section(steps: int, rounds: int) -> dict:
+    from _common import summarize, synthetic_criteo
+
+    data = synthetic_criteo(200_000)
+    rates = {False: [], True: []}
+    for _ in range(rounds):
+        for flag in (False, True):
+            rates[flag].append(run_training(flag, steps, data))
+    out = {("async" if k else "in_step"): summarize(v) for k, v in rates.items()}
+    speedup = out["async"]["median"] / out["in_step"]["median"]
+    print_table("DLRM training, 1 PS + 1 worker, SmartStage, star_server (samples/s, median)",
+                ["embedding pull", "samples/s", "p10-p90"],
+                [["in the step", f"{out['in_step']['median']:,.0f}", f"{out['in_step']['p10']:,.0f}-{out['in_step']['p90']:,.0f}"],
+                 ["async (in the prefetch)", f"{out['async']['median']:,.0f} ({speedup:.2f}x)",
+                  f"{out['async']['p10']:,.0f}-{out['async']['p90']:,.0f}"]])
+    return {**out, "speedup": speedup, "steps": steps, "rounds": rounds}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--training-steps", type=int, default=80)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only-training", action="store_true")
     args = parser.parse_args()
+    training = training_section(args.training_steps, args.rounds)
+    if args.only_training:
+        print("saved", save_json("ps_training", training))
+        return
     cases = [(512, 1), (512, 2), (4096, 1)]
     protocols = ["grpc", "star_server", "star_server_lite"]
     results, rows = {}, []
@@ -108,7 +154,7 @@ def main() -> None:
                          f"{r['ps_cpu_ms_per_step']:.1f}"])
     print_table("parameter server, 1 PS, loopback (communication only)",
                 ["batch", "workers", "protocol", "steps/s per worker", "vs grpc", "MB/step", "PS CPU ms/step"], rows)
-    print("saved", save_json("ps", {"steps": args.steps, "results": results}))
+    print("saved", save_json("ps", {"steps": args.steps, "results": results, "training": training}))
 
     import matplotlib
     matplotlib.use("Agg")

@@ -17,9 +17,9 @@ from deeprec.errors import ConfigError
 from deeprec.nn import EmbeddingVariable
 
 
-def start_ps(shard=0, num_shards=1):
+def start_ps(shard=0, num_shards=1, threads=2):
     proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "127.0.0.1:0",
-                             "--shard", str(shard), "--num-shards", str(num_shards), "--threads", "2"],
+                             "--shard", str(shard), "--num-shards", str(num_shards), "--threads", str(threads)],
                             stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()  # "deeprec PS 0/1 listening on 127.0.0.1:PORT"
     assert "listening on" in line, line
@@ -396,3 +396,47 @@ def test_async_embedding_needs_ps_and_smart_stage(tmp_path):
         TrainConfig(model="dlrm", data=["x"], async_embedding=True, ps_addresses=["a:1"])
     with pytest.raises(ConfigError, match="choose one"):
         TrainConfig(model="dlrm", data=["x"], async_embedding=True, ps_addresses=["a:1"], smart_stage=True, sync=True)
+
+
+def test_tuning_variables_are_validated(monkeypatch):
+    from deeprec.distributed.tuning import core_number, env_flag
+
+    monkeypatch.delenv("NETWORK_PS_CORE_NUMBER", raising=False)
+    assert core_number("NETWORK_PS_CORE_NUMBER", 3, 8) == 3 and core_number("NETWORK_PS_CORE_NUMBER", 20, 8) == 8
+    monkeypatch.setenv("NETWORK_PS_CORE_NUMBER", "5")
+    assert core_number("NETWORK_PS_CORE_NUMBER", 3, 8) == 5
+    monkeypatch.setenv("NETWORK_PS_CORE_NUMBER", "many")
+    with pytest.raises(ConfigError, match="NETWORK_PS_CORE_NUMBER='many': must be a positive integer"):
+        core_number("NETWORK_PS_CORE_NUMBER", 3, 8)
+    monkeypatch.setenv("PS_DISABLE_PIN_CORES", "maybe")
+    with pytest.raises(ConfigError, match="PS_DISABLE_PIN_CORES='maybe': use True or False"):
+        env_flag("PS_DISABLE_PIN_CORES", True)
+
+
+def _affinities(pid: int) -> list[str]:
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            out += [line.split(":")[1].strip() for line in f if line.startswith("Cpus_allowed_list")]
+    return out
+
+
+def test_pin_cores_pins_the_communication_threads(monkeypatch):
+    allowed = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv("PS_DISABLE_PIN_CORES", "False")
+    proc, address = start_ps(shard=1, num_shards=2, threads=1)
+    try:
+        client = PSClient([address], deadline_s=20)
+        client.wait_ready()
+        client.register({"emb": 4}, {})  # starts a handler thread and the shard thread
+        expected = str(allowed[1 % len(allowed)])
+        assert _affinities(proc.pid).count(expected) >= 2  # PS 1 of 2, one core each: its second core
+        client.close()
+    finally:
+        proc.kill()
+        proc.wait(10)
+    monkeypatch.setenv("WORKER_DISABLE_PIN_CORES", "False")
+    client = PSClient(["127.0.0.1:1"], threads=1)
+    assert client._pool.submit(os.sched_getaffinity, 0).result() == {allowed[-1]}  # the last core
+    assert os.sched_getaffinity(0) == set(allowed)  # the caller (the training step) is not pinned
+    client.close()

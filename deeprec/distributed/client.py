@@ -10,13 +10,13 @@ A failed or late PS call raises PSError naming the PS; nothing waits forever.
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import zlib
 
 import grpc
 import torch
 
 from deeprec.distributed.ps import GRPC_OPTIONS, SERVICE
+from deeprec.distributed.tuning import core_number, pin_cores, pin_current_thread
 from deeprec.distributed.wire import pack, unpack
 from deeprec.errors import DeepRecError, check_choice
 from deeprec.nn.variable import shard_of
@@ -36,9 +36,13 @@ class PSClient:
         self.channels = [grpc.insecure_channel(a, options=GRPC_OPTIONS) for a in self.addresses]
         self._calls = {m: [ch.unary_unary(f"/{SERVICE}/{m}") for ch in self.channels]
                        for m in ("Register", "Pull", "Push", "PushPull", "Export", "Load", "Health")}
-        threads = threads or int(os.environ.get("NETWORK_WORKER_CORE_NUMBER", str(min(2, len(addresses)))))
+        # NETWORK_WORKER_CORE_NUMBER threads encode and decode; the pool has at least one
+        # per PS so that star_server's fused calls reach every PS at once
+        threads = threads or core_number("NETWORK_WORKER_CORE_NUMBER", len(addresses), 2)
+        cores = pin_cores("WORKER", threads)  # WORKER_DISABLE_PIN_CORES=False
         self._pool = concurrent.futures.ThreadPoolExecutor(max(threads, len(addresses)),
-                                                           thread_name_prefix="deeprec-ps-client")
+                                                           thread_name_prefix="deeprec-ps-client",
+                                                           initializer=pin_current_thread, initargs=(cores,))
         self.dims: dict[str, int] = {}
         self.after_step: int | None = None  # sync training: pulls wait for this step's update
         self.sync_workers = 1

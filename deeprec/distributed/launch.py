@@ -45,7 +45,7 @@ def launch(num_ps: int, num_workers: int, protocol: str, train_args: list[str], 
     try:
         for i in range(num_ps):
             proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "127.0.0.1:0",
-                                     "--shard", str(i), "--num-shards", str(num_ps)],
+                                     "--shard", str(i), "--num-shards", str(num_ps), "--workers", str(num_workers)],
                                     stdout=subprocess.PIPE, text=True)
             line = proc.stdout.readline()
             if "listening on" not in line:

@@ -20,6 +20,7 @@ import threading
 import grpc
 import torch
 
+from deeprec.distributed.tuning import core_number, pin_cores, pin_current_thread
 from deeprec.distributed.wire import WireError, pack, unpack
 from deeprec.errors import ConfigError
 from deeprec.nn.variable import EmbeddingVariable, shard_of
@@ -208,9 +209,10 @@ class ShardState:
 class PSServicer:
     """gRPC handlers: decode and validate on gRPC threads, run on the shard thread."""
 
-    def __init__(self, state: ShardState):
+    def __init__(self, state: ShardState, cores: set[int] | None = None):
         self.state = state
-        self.shard = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deeprec-ps-shard")
+        self.shard = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deeprec-ps-shard",
+                                                           initializer=pin_current_thread, initargs=(cores,))
         self.applied = threading.Condition()
 
     def _call(self, method: str, request: bytes, context) -> bytes:
@@ -265,12 +267,16 @@ def _names(header: dict, key: str) -> list:
     return names
 
 
-def serve(bind: str, shard_index: int, num_shards: int, threads: int | None = None) -> tuple[grpc.Server, int]:
-    """Start a PS shard listening on `bind` ("host:port", port 0 = any); returns (server, port)."""
-    threads = threads or int(os.environ.get("NETWORK_PS_CORE_NUMBER", "8"))
-    server = grpc.server(concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="deeprec-ps-grpc"),
-                         options=GRPC_OPTIONS)
-    server.add_generic_rpc_handlers((PSServicer(ShardState(shard_index, num_shards)).handler(),))
+def serve(bind: str, shard_index: int, num_shards: int, threads: int | None = None,
+          connections: int = 8) -> tuple[grpc.Server, int]:
+    """Start a PS shard listening on `bind` ("host:port", port 0 = any); returns (server, port).
+    `threads`: gRPC handler threads (default NETWORK_PS_CORE_NUMBER, else min(8, connections))."""
+    threads = threads or core_number("NETWORK_PS_CORE_NUMBER", connections, 8)
+    cores = pin_cores("PS", threads, shard_index)  # PS_DISABLE_PIN_CORES=False
+    pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="deeprec-ps-grpc",
+                                                 initializer=pin_current_thread, initargs=(cores,))
+    server = grpc.server(pool, options=GRPC_OPTIONS)
+    server.add_generic_rpc_handlers((PSServicer(ShardState(shard_index, num_shards), cores).handler(),))
     port = server.add_insecure_port(bind)
     if port == 0:
         raise OSError(f"cannot bind the PS to {bind}")
@@ -283,7 +289,8 @@ def main(argv=None) -> int:
     parser.add_argument("--bind", default="127.0.0.1:0")
     parser.add_argument("--shard", type=int, help="default: TF_CONFIG's task index, else 0")
     parser.add_argument("--num-shards", type=int, help="default: TF_CONFIG's number of ps tasks, else 1")
-    parser.add_argument("--threads", type=int)
+    parser.add_argument("--threads", type=int, help="default: NETWORK_PS_CORE_NUMBER, else min(8, workers)")
+    parser.add_argument("--workers", type=int, help="workers that will connect (default: TF_CONFIG's, else 8)")
     args = parser.parse_args(argv)
     if os.environ.get("TF_CONFIG") and (args.shard is None or args.num_shards is None):
         from deeprec.distributed.cluster import parse_tf_config
@@ -293,10 +300,12 @@ def main(argv=None) -> int:
             raise SystemExit(f"TF_CONFIG describes a {task.job_name!r} task, not a ps task")
         args.shard = task.task_index if args.shard is None else args.shard
         args.num_shards = task.cluster.num_tasks("ps") if args.num_shards is None else args.num_shards
+        if args.workers is None and "worker" in task.cluster.jobs:
+            args.workers = task.cluster.num_tasks("worker") + task.cluster.num_tasks("chief")
     args.shard = 0 if args.shard is None else args.shard
     args.num_shards = 1 if args.num_shards is None else args.num_shards
     torch.set_num_threads(1)
-    server, port = serve(args.bind, args.shard, args.num_shards, args.threads)
+    server, port = serve(args.bind, args.shard, args.num_shards, args.threads, connections=args.workers or 8)
     host = args.bind.rpartition(":")[0]
     print(f"deeprec PS {args.shard}/{args.num_shards} listening on {host}:{port}", flush=True)
     try:

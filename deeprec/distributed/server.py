@@ -35,7 +35,9 @@ class Server:
     def start(self) -> None:
         from deeprec.distributed.ps import serve
 
-        self._server, self.port = serve(self.bind_address, self.task_index, self.cluster.num_tasks("ps"))
+        workers = sum(self.cluster.num_tasks(j) for j in ("worker", "chief") if j in self.cluster.jobs)
+        self._server, self.port = serve(self.bind_address, self.task_index, self.cluster.num_tasks("ps"),
+                                        connections=workers or 8)
 
     @property
     def target(self) -> str:
