@@ -9,7 +9,7 @@
 from deeprec import data, errors, models, nn, ops, optim
 from deeprec.config import Config, SmartStageOptions, ThreadPoolOptions
 from deeprec.errors import ConfigError, DataError, DeepRecError, OutOfRangeError
-from deeprec.graph import CaptureError, mark_target_node, staged
+from deeprec.graph import CaptureError, MultiStreamOptions, colocate_with, mark_target_node, staged, stream
 from deeprec.nn import (CBFFilter, CounterFilter, EmbeddingCollection, EmbeddingVariable, EmbeddingVariableOption,
                         GlobalStepEvict, InitializerOption, L2WeightEvict, fused_safe_embedding_lookup_sparse)
 from deeprec.ops import op
@@ -20,4 +20,4 @@ __all__ = ["data", "errors", "models", "nn", "ops", "optim", "op", "CBFFilter", 
            "EmbeddingCollection", "EmbeddingVariable", "EmbeddingVariableOption", "GlobalStepEvict",
            "InitializerOption", "L2WeightEvict", "fused_safe_embedding_lookup_sparse", "Config", "SmartStageOptions", "ThreadPoolOptions",
            "ConfigError", "DataError", "DeepRecError", "OutOfRangeError", "CaptureError",
-           "mark_target_node", "staged", "OptimizedModel", "make_prefetch_hook", "optimize", "__version__"]
+           "mark_target_node", "staged", "MultiStreamOptions", "stream", "colocate_with", "OptimizedModel", "make_prefetch_hook", "optimize", "__version__"]

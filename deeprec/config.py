@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deeprec.errors import ConfigError, OutOfRangeError, check_choice
+from deeprec.graph.streams import MultiStreamOptions
 
 
 def _positive(owner: str, **values) -> None:
@@ -99,6 +100,13 @@ class Config:
         the pull of batch t+1 overlaps batch t's compute. Rows are read before the
         updates of at most capacity + num_threads earlier steps have landed (bounded
         staleness, as DeepRec's async embedding); needs smart_stage=True.
+    multi_stream: run independent branches of the step concurrently
+        (dr.MultiStreamOptions(num_streams, policy)): CUDA streams on GPU, threads on CPU.
+    micro_batch_num: split each batch into N micro-batches along dim 0; their
+        gradients are accumulated (weighted by size) into one optimizer step.
+    graph_fusion: compile the step with torch.compile (eager, with one warning, if it fails).
+    bf16: run the step under torch.autocast(bfloat16); weights stay fp32.
+    tf32: allow TF32 matmuls and convolutions on GPU.
     """
 
     smart_stage: bool = False
@@ -107,6 +115,11 @@ class Config:
     stage_thread_pools: list = field(default_factory=list)
     main_threads: int | None = None
     async_embedding: bool = False
+    multi_stream: MultiStreamOptions | None = None
+    micro_batch_num: int = 1
+    graph_fusion: bool = False
+    bf16: bool = False
+    tf32: bool = False
 
     def __post_init__(self):
         if not isinstance(self.smart_stage_options, SmartStageOptions):
@@ -125,6 +138,15 @@ class Config:
                     f"but Config.stage_thread_pools declares {n} pool(s) ({declared})")
         if self.main_threads is not None:
             _positive("Config", main_threads=self.main_threads)
+        if self.multi_stream is not None and not isinstance(self.multi_stream, MultiStreamOptions):
+            raise ConfigError("multi_stream must be a deeprec.MultiStreamOptions or None")
+        _positive("Config", micro_batch_num=self.micro_batch_num)
+        if self.micro_batch_num > 1 and (opts.executor == "process" or not opts.ordered):
+            raise ConfigError("micro_batch_num > 1 regroups a batch's micro-batches in order: it needs "
+                              "SmartStageOptions(executor='thread', ordered=True)")
+        if self.graph_fusion and self.multi_stream is not None and self.multi_stream.policy != "none":
+            raise ConfigError("graph_fusion=True compiles the step into one program; it cannot also be split "
+                              "over streams: use one of graph_fusion and multi_stream")
         if self.async_embedding and not self.smart_stage:
             raise ConfigError("Config.async_embedding=True pulls rows in the SmartStage prefetch: "
                               "it needs smart_stage=True")

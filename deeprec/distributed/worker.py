@@ -17,6 +17,7 @@ from torch import nn
 from deeprec.distributed.client import PSClient
 from deeprec.errors import ConfigError
 from deeprec.nn.collection import EmbeddingCollection
+from deeprec.optim.sparse import merge_rows
 
 
 class RemoteTables:
@@ -27,7 +28,7 @@ class RemoteTables:
 
     def __init__(self, client: PSClient, names: list[str]):
         self.client, self.names = client, names
-        self.pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # one entry per backward
         self._keys: list[torch.Tensor] = []
         self._prefetched: dict[int, tuple[object, torch.Tensor]] = {}  # id(keys) -> (keys, rows)
         self._lock = threading.Lock()
@@ -61,7 +62,7 @@ class RemoteTables:
         for name, keys in zip(self.names, self._keys):
             n = keys.numel()
             if n:
-                self.pending[name] = (keys, grad[start:start + n])
+                self.pending.setdefault(name, []).append((keys, grad[start:start + n]))
             start += n
 
 
@@ -107,8 +108,10 @@ class PSSession:
 
     def push(self, step: int | None = None) -> None:
         grads = {}
-        for remote in self.remotes:
-            grads.update(remote.pending)
+        for remote in self.remotes:  # micro-batches: rows seen in several backwards are merged
+            for name, parts in remote.pending.items():
+                grads[name] = parts[0] if len(parts) == 1 else merge_rows(torch.cat([k for k, _ in parts]),
+                                                                          torch.cat([g for _, g in parts]))
             remote.pending = {}
         for name, p in self.dense.items():
             if p.grad is not None:

@@ -9,6 +9,7 @@ import torch
 import torch.fx
 
 from deeprec.errors import DeepRecError
+from deeprec.graph.streams import record_user_stream
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _DEEPREC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -16,10 +17,16 @@ _USER_CODE_INSIDE_DEEPREC = (os.path.join(_DEEPREC_DIR, "models"),)
 
 
 class _Tracer(torch.fx.Tracer):
-    """Modules that set `_deeprec_leaf = True` (e.g. FusedLookup) are single nodes."""
+    """Modules that set `_deeprec_leaf = True` (e.g. FusedLookup) are single nodes;
+    nodes created inside `with dr.stream(i):` remember i."""
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         return getattr(m, "_deeprec_leaf", False) or super().is_leaf_module(m, module_qualified_name)
+
+    def create_node(self, *args, **kwargs):
+        node = super().create_node(*args, **kwargs)
+        record_user_stream(node)
+        return node
 
 
 class CaptureError(DeepRecError):

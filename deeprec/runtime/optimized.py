@@ -23,6 +23,9 @@ from deeprec.config import Config
 from deeprec.graph.capture import capture
 from deeprec.graph.markers import staged
 from deeprec.graph.smart_stage import StagePartition, smart_stage_pass
+from deeprec.runtime.main_step import MainStep
+from deeprec.runtime.micro_batch import (MicroBatchSource, batch_rows, combine_outputs, deferred_lookups,
+                                         split_batch)
 from deeprec.runtime.prefetch import PrefetchRunner, StagedBatch
 from deeprec.runtime.transfer import PackedCopier, make_ready
 
@@ -49,7 +52,12 @@ class OptimizedModel(nn.Module):
         self.async_lookups: list[tuple[nn.Module, int]] = []  # (FusedLookup, index of its keys in the cut)
         if config.async_embedding:
             self.async_lookups = _async_lookups(self.graph_module, self.partition)
-
+        self.main_step: MainStep | None = None  # streams / compile / bf16 applied to the step's graph
+        if (config.multi_stream is not None and config.multi_stream.policy != "none") or config.graph_fusion \
+                or config.bf16 or config.tf32:
+            self.main_step = MainStep(self.partition.main if self.staged else self.graph_module, config, self.device)
+        self.last_source_state = None  # reader position after the last batch iterate() trained on
+        self.prefetch_stats = None
     @property
     def staged(self) -> bool:
         return self.partition is not None and self.partition.stage is not None
@@ -63,24 +71,79 @@ class OptimizedModel(nn.Module):
         if not self.staged:
             if isinstance(batch, StagedBatch):
                 raise TypeError("this model has no stage: call it with the raw batch")
+            if self.main_step is not None:
+                with record_function("deeprec.main"):
+                    return self.main_step(batch)
             return self.model(batch)
         item = batch if isinstance(batch, StagedBatch) else self.stage(batch)
         with record_function("deeprec.main"):
-            return self.partition.main(*make_ready(item, self.device))
+            return (self.main_step or self.partition.main)(*make_ready(item, self.device))
 
-    def iterate(self, reader):
-        """Yield `self(batch)` for each batch of `reader`, the stage running ahead.
+    def step(self, batch) -> dict:
+        """Forward and backward of one batch (per micro-batch when micro_batch_num > 1);
+        gradients accumulate in `.grad`. Returns the outputs, detached, loss averaged.
+        The caller then runs `optimizer.step()`."""
+        n = self.config.micro_batch_num
+        if n == 1:
+            return self._accumulate([batch], [1])
+        if isinstance(batch, StagedBatch):
+            raise TypeError("micro-batching splits the raw batch: call step() with it (iterate() stages ahead)")
+        parts = split_batch(batch, n)
+        return self._accumulate(parts, [batch_rows(p) for p in parts])
 
-        A generator: leaving the loop early (break, exception) closes it and joins
-        the stage threads; keep a reference only inside `contextlib.closing`.
+    def _accumulate(self, items: list, sizes: list[int]) -> dict:
+        total, outputs = sum(sizes), []
+        deferred = deferred_lookups(self.model) if len(items) > 1 else []
+        for lookup in deferred:  # keep embedding rows until the last micro-batch, then merge
+            lookup.fused = False
+        try:
+            for item, size in zip(items, sizes):
+                out = self(item)
+                with record_function("deeprec.backward"):
+                    (out["loss"] * (size / total)).backward()
+                outputs.append(out)
+        finally:
+            for lookup in deferred:
+                lookup.fused = True
+        for lookup in deferred:
+            with record_function("deeprec.embedding_update"):
+                lookup.step()
+        return combine_outputs(outputs, sizes)
+
+    def iterate(self, reader, backward: bool = False, before_step=None):
+        """Yield the outputs for each batch of `reader`, the stage running ahead.
+
+        backward=True: each batch is a training step (`step()`: per micro-batch,
+        gradients accumulated); call `optimizer.step()` after each. `before_step()`
+        runs before each batch's forward (e.g. a PS pull). A generator: leaving the
+        loop early closes it and joins the stage threads.
         """
+        n = self.config.micro_batch_num if backward else 1
         if not self.staged:
             for batch in reader:
-                yield self.model(batch)
+                if before_step is not None:
+                    before_step()
+                out = self.step(batch) if backward else self(batch)
+                self.last_source_state = reader.state_dict() if hasattr(reader, "state_dict") else None
+                yield out
             return
-        with make_prefetch_hook(self, reader) as batches:
-            for item in batches:
-                yield self(item)
+        source = MicroBatchSource(reader, n) if n > 1 else reader
+        with make_prefetch_hook(self, source) as batches:
+            self.prefetch_stats = batches.stats
+            staged = iter(batches)
+            for item in staged:
+                if before_step is not None:
+                    before_step()
+                if not backward:
+                    out = self(item)
+                else:
+                    items = [item]
+                    sizes = source.sizes.popleft() if n > 1 else [1]
+                    items += [next(staged) for _ in range(len(sizes) - 1)]
+                    out = self._accumulate(items, sizes)
+                    item = items[-1]
+                self.last_source_state = item.source_state
+                yield out
 
     def explain(self) -> str:
         return explain(self)

@@ -1,0 +1,80 @@
+"""The training step's graph, with the passes that change how it runs:
+
+    main graph ──multi_stream_pass──> StreamRunner (streams / threads)
+               └─graph_fusion────────> torch.compile (eager + one warning if it fails)
+    then bf16: the call runs under torch.autocast(bfloat16); parameters stay fp32.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+
+import torch
+import torch.fx
+
+from deeprec.config import Config
+from deeprec.graph.streams import multi_stream_pass
+from deeprec.runtime.streams import StreamRunner
+
+log = logging.getLogger("deeprec.optimize")
+
+
+class CompiledStep:
+    """torch.compile of the step; the first failure falls back to eager, once, with a warning."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        self.eager = gm
+        self.compiled = torch.compile(gm, dynamic=True)
+        self.failed: str | None = None
+
+    def __call__(self, *args):
+        if self.failed is None:
+            try:
+                return self.compiled(*args)
+            except Exception as err:  # noqa: BLE001 - a missing compiler, an unsupported op: run eager
+                self.failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                warnings.warn(f"deeprec graph_fusion: torch.compile failed ({self.failed}); "
+                              "the step runs eagerly from now on", RuntimeWarning, stacklevel=2)
+        return self.eager(*args)
+
+
+class MainStep:
+    def __init__(self, gm: torch.fx.GraphModule, config: Config, device: torch.device):
+        self.gm, self.config, self.device = gm, config, device
+        self.streams: StreamRunner | None = None
+        self.compiled: CompiledStep | None = None
+        self._run = gm
+        ms = config.multi_stream
+        if ms is not None and ms.policy != "none":
+            multi_stream_pass(gm, ms)
+            self.streams = StreamRunner(gm, ms.num_streams, device)
+            self._run = self.streams
+        elif config.graph_fusion:
+            self.compiled = CompiledStep(gm)
+            self._run = self.compiled
+        if config.tf32 and device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        self._stream_threads = None
+        if self.streams is not None and device.type != "cuda" and self.streams.streams_used > 1:
+            # each CPU stream is a thread with its own intra-op threads: stay within the cores
+            self._stream_threads = max(1, (os.cpu_count() or 1) // self.streams.streams_used)
+
+    @contextlib.contextmanager
+    def _threads(self):
+        if self._stream_threads is None or torch.get_num_threads() <= self._stream_threads:
+            yield
+            return
+        saved = torch.get_num_threads()
+        torch.set_num_threads(self._stream_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(saved)
+
+    def __call__(self, *args):
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.bf16)
+        with autocast, self._threads():
+            return self._run(*args)
