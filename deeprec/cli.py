@@ -78,7 +78,9 @@ def cmd_train(args, console: Console) -> int:
                       checkpoint_every=args.checkpoint_every, incremental_every=args.incremental_every,
                       resume=args.resume, threads=args.threads,
                       smart_stage=args.smart_stage, capacity=args.capacity, stage_threads=args.stage_threads,
-                      stage_executor=args.stage_executor, embedding=args.embedding, **ps)
+                      stage_executor=args.stage_executor, embedding=args.embedding,
+                      multi_stream=args.multi_stream, stream_policy=args.stream_policy, micro_batch=args.micro_batch,
+                      compile=args.compile, bf16=args.bf16, **ps)
     if note:
         console.print(f"[bold]{note}[/bold]")
     result = train(cfg, console)
@@ -197,6 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--protocol", choices=("grpc", "star_server", "star_server_lite"), default="star_server",
                     help="parameter-server protocol when run as a PS worker (TF_CONFIG set)")
     tr.add_argument("--sync", action="store_true", help="PS worker: average all workers' gradients per step")
+    tr.add_argument("--multi-stream", type=int, default=1, metavar="N",
+                    help="run independent branches of the step on N streams (CUDA) / threads (CPU)")
+    tr.add_argument("--stream-policy", choices=("user", "embedding", "full"), default="embedding",
+                    help="how nodes get streams: dr.stream markers, one per embedding branch, or minimum chains")
+    tr.add_argument("--micro-batch", type=int, default=1, metavar="N",
+                    help="split each batch into N micro-batches, accumulate, one optimizer step")
+    tr.add_argument("--compile", action="store_true", help="torch.compile the training step (graph fusion)")
+    tr.add_argument("--bf16", action="store_true", help="run the step under autocast(bfloat16); fp32 weights")
     tr.add_argument("--async-embedding", action="store_true",
                     help="PS worker with --smart-stage: pull batch t+1's embedding rows while batch t computes")
 

@@ -22,6 +22,7 @@ from sklearn.metrics import log_loss, roc_auc_score
 from torch.profiler import record_function
 
 from deeprec.config import Config, SmartStageOptions
+from deeprec.graph.streams import MultiStreamOptions
 from deeprec.checkpoint import (checkpoint_step, latest_checkpoint, list_checkpoints, load_checkpoint,
                                 save_checkpoint)
 from deeprec.data import open_reader
@@ -29,7 +30,7 @@ from deeprec.errors import ConfigError
 from deeprec.models import build_model
 from deeprec.nn import incremental_state_dict
 from deeprec.optim import make_optimizer
-from deeprec.runtime import make_prefetch_hook, optimize
+from deeprec.runtime import optimize
 
 log = logging.getLogger("deeprec.train")
 
@@ -70,6 +71,11 @@ class TrainConfig:
     is_chief: bool = True  # evaluates at the end
     sync: bool = False  # PS training: average every worker's gradients per step (num_shards workers)
     async_embedding: bool = False  # PS training + SmartStage: pull batch t+1's rows while batch t computes
+    multi_stream: int = 1  # MultiStreamOptions.num_streams (1: off)
+    stream_policy: str = "embedding"  # MultiStreamOptions.policy
+    micro_batch: int = 1  # Config.micro_batch_num
+    compile: bool = False  # Config.graph_fusion (torch.compile of the step)
+    bf16: bool = False  # Config.bf16 (autocast bfloat16, fp32 weights)
 
     def __post_init__(self):
         if isinstance(self.data, str):
@@ -165,12 +171,14 @@ class Trainer:
             self.optimizer = None
         else:
             self.optimizer = make_optimizer(self.model, cfg.optimizer, cfg.lr)
-        self.fast, self._hook = None, None
-        if cfg.smart_stage:
+        self.fast = None
+        if cfg.smart_stage or cfg.multi_stream > 1 or cfg.micro_batch > 1 or cfg.compile or cfg.bf16:
             self.fast = optimize(self.model, Config(
-                smart_stage=True, main_threads=cfg.main_threads, async_embedding=cfg.async_embedding,
+                smart_stage=cfg.smart_stage, main_threads=cfg.main_threads, async_embedding=cfg.async_embedding,
                 smart_stage_options=SmartStageOptions(capacity=cfg.capacity, num_threads=cfg.stage_threads,
-                                                      executor=cfg.stage_executor)))
+                                                      executor=cfg.stage_executor),
+                multi_stream=MultiStreamOptions(cfg.multi_stream, cfg.stream_policy) if cfg.multi_stream > 1 else None,
+                micro_batch_num=cfg.micro_batch, graph_fusion=cfg.compile, bf16=cfg.bf16))
         self.train_reader, self.eval_reader = make_readers(cfg)
         self.step = 0
         self._reader_state = self.train_reader.state_dict()  # position of the last batch trained on
@@ -239,21 +247,13 @@ class Trainer:
                             TimeElapsedColumn(), console=self.console,
                             disable=not (cfg.progress and self.console.is_terminal))
         started = time.perf_counter()
-        with progress, self._batches() as batches:
+        with progress, contextlib.closing(self._steps()) as steps:
             task = progress.add_task("train", total=total, completed=self.step, loss=float("nan"), rate=0.0)
             while total is None or self.step < total:
-                with record_function("deeprec.read"):
-                    batch = next(batches, None)
-                if batch is None:
+                with record_function("deeprec.read+forward+backward"):
+                    out = next(steps, None)  # forward and backward of the next batch (micro-batches)
+                if out is None:
                     break
-                if self.ps is not None:
-                    with record_function("deeprec.ps.pull"):
-                        self.ps.begin_step(self.step + 1)
-                        self.ps.pull_dense()
-                with record_function("deeprec.forward"):
-                    out = self.fast(batch) if self.fast is not None else self.model(batch)
-                with record_function("deeprec.backward"):
-                    out["loss"].backward()
                 with record_function("deeprec.update"):
                     if self.ps is not None:
                         self.ps.push(self.step + 1)
@@ -261,7 +261,7 @@ class Trainer:
                         self.optimizer.step()
                         self.optimizer.zero_grad()
                 self.step += 1
-                self._reader_state = (batch.source_state if self.fast is not None
+                self._reader_state = (self.fast.last_source_state if self.fast is not None
                                       else self.train_reader.state_dict())
                 rows += len(out["logits"])
                 losses.append(out["loss"].item())
@@ -282,8 +282,8 @@ class Trainer:
                   "seconds": elapsed, "samples_per_s": rows / elapsed if elapsed > 0 else 0.0,
                   "final_loss": losses[-1] if losses else math.nan,
                   "bad_rows": self.train_reader.stats.bad_rows}
-        if self._hook is not None:
-            result["stage"] = asdict(self._hook.stats)
+        if self.fast is not None and self.fast.prefetch_stats is not None:
+            result["stage"] = asdict(self.fast.prefetch_stats)
         if self.eval_reader is not None and cfg.is_chief:
             if self.ps is not None:
                 self.ps.pull_dense()
@@ -291,15 +291,28 @@ class Trainer:
         return result
 
 
-    @contextlib.contextmanager
-    def _batches(self):
-        """Raw batches, or StagedBatches whose stage ran ahead in background threads."""
-        if self.fast is None:
-            yield iter(self.train_reader)
+    def _before_step(self) -> None:
+        if self.ps is not None:
+            with record_function("deeprec.ps.pull"):
+                self.ps.begin_step(self.step + 1)
+                self.ps.pull_dense()
+
+    def _steps(self):
+        """Outputs of each training batch, forward and backward done (optimizer not stepped).
+
+            plain:     read -> [PS pull] -> forward -> backward
+            optimized: fast.iterate(backward=True): stage ahead, micro-batches, streams
+        """
+        if self.fast is not None:
+            yield from self.fast.iterate(self.train_reader, backward=True, before_step=self._before_step)
             return
-        with make_prefetch_hook(self.fast, self.train_reader) as hook:
-            self._hook = hook
-            yield iter(hook)
+        for batch in self.train_reader:
+            self._before_step()
+            with record_function("deeprec.forward"):
+                out = self.model(batch)
+            with record_function("deeprec.backward"):
+                out["loss"].backward()
+            yield out
 
 
 def train(cfg: TrainConfig, console: Console | None = None) -> dict:

@@ -99,3 +99,15 @@ def test_train_with_each_embedding_kind(embedding, tmp_path, monkeypatch):
     finally:
         torch.set_flush_denormal(False)
     assert json.loads(out.read_text())["steps"] == 6
+
+
+def test_train_exposes_graph_options(sample, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["train", "--model", "deepfm", "--data", sample, "--steps", "4", "--batch-size", "32",
+                 "--multi-stream", "2", "--stream-policy", "full", "--micro-batch", "2", "--bf16",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["steps"] == 4 and result["rows"] == 128
+    with pytest.raises(SystemExit):
+        main(["train", "--stream-policy", "fastest"])
+    assert "invalid choice: 'fastest'" in capsys.readouterr().err

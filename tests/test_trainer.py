@@ -173,3 +173,19 @@ def test_incremental_checkpoints_restore_mid_training(tmp_path, unique_tsv, smal
     assert resumed.step == 35
     resumed.train()
     _assert_same_state(full, resumed)
+
+
+def test_micro_batches_and_streams_train_to_the_same_state(tmp_path, unique_tsv, small_model):
+    """--micro-batch 4 (with the stage ahead) and --multi-stream 2: the same training, up to float rounding."""
+    plain = Trainer(_cfg(unique_tsv, tmp_path / "plain", small_model, steps=12, optimizer="adagrad"))
+    micro = Trainer(_cfg(unique_tsv, tmp_path / "micro", small_model, steps=12, optimizer="adagrad",
+                         micro_batch=4, smart_stage=True, capacity=2))
+    streams = Trainer(_cfg(unique_tsv, tmp_path / "streams", small_model, steps=12, optimizer="adagrad",
+                           multi_stream=2, stream_policy="full"))
+    a, b, c = plain.train(), micro.train(), streams.train()
+    assert b["steps"] == c["steps"] == 12 and b["rows"] == a["rows"] == 12 * 256
+    for other in (micro, streams):
+        for (name, p), q in zip(plain.model.state_dict().items(), other.model.state_dict().values(), strict=True):
+            if isinstance(p, torch.Tensor) and p.is_floating_point():
+                assert torch.allclose(p, q, rtol=1e-4, atol=1e-6), name
+    assert load_checkpoint(latest_checkpoint(str(tmp_path / "micro")))["reader"] == plain._reader_state

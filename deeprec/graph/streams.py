@@ -8,7 +8,8 @@
 Policies (`dr.MultiStreamOptions(num_streams, policy)`):
     "user"       the markers decide; unmarked nodes run on stream 0
     "embedding"  each embedding lookup, with the nodes that only feed it and the
-                 nodes that only consume it, gets a stream, round-robin
+                 nodes that only consume it, gets a stream, round-robin from stream 1
+                 (the dense side keeps stream 0)
     "full"       a minimum chain decomposition of the DAG (minimum path cover by
                  bipartite matching); chains go to the least-loaded stream
 The pass writes `node.meta["stream"]`; it changes nothing else in the graph.
@@ -120,7 +121,7 @@ def _embedding_streams(gm: torch.fx.GraphModule, num_streams: int) -> dict:
         if len(inputs) == 1 and None not in inputs:
             branch_of[node] = inputs.pop()
     for node, branch in branch_of.items():
-        assignment[node] = branch % num_streams
+        assignment[node] = (branch + 1) % num_streams
     return assignment
 
 

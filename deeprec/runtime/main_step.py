@@ -40,17 +40,35 @@ class CompiledStep:
         return self.eager(*args)
 
 
+class _Streamed(torch.nn.Module):
+    """Stands in for the step's submodule: same parameters, run by the StreamRunner."""
+
+    def __init__(self, gm: torch.fx.GraphModule, runner: StreamRunner):
+        super().__init__()
+        self.gm, self._runner = gm, runner
+
+    def forward(self, *args):
+        return self._runner(*args)
+
+
 class MainStep:
     def __init__(self, gm: torch.fx.GraphModule, config: Config, device: torch.device):
         self.gm, self.config, self.device = gm, config, device
         self.streams: StreamRunner | None = None
+        self.target = gm  # the graph whose nodes carry streams
         self.compiled: CompiledStep | None = None
         self._run = gm
         ms = config.multi_stream
         if ms is not None and ms.policy != "none":
-            multi_stream_pass(gm, ms)
-            self.streams = StreamRunner(gm, ms.num_streams, device)
-            self._run = self.streams
+            inner = getattr(gm, "submod_1", None)  # SmartStage's main side wraps the step in one submodule
+            target = inner if isinstance(inner, torch.fx.GraphModule) else gm
+            self.target = target
+            multi_stream_pass(target, ms)
+            self.streams = StreamRunner(target, ms.num_streams, device)
+            if target is gm:
+                self._run = self.streams
+            else:
+                gm.submod_1 = _Streamed(target, self.streams)
         elif config.graph_fusion:
             self.compiled = CompiledStep(gm)
             self._run = self.compiled

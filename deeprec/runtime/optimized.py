@@ -23,6 +23,7 @@ from deeprec.config import Config
 from deeprec.graph.capture import capture
 from deeprec.graph.markers import staged
 from deeprec.graph.smart_stage import StagePartition, smart_stage_pass
+from deeprec.graph.streams import stream_summary
 from deeprec.runtime.main_step import MainStep
 from deeprec.runtime.micro_batch import (MicroBatchSource, batch_rows, combine_outputs, deferred_lookups,
                                          split_batch)
@@ -239,8 +240,8 @@ def explain(fast: OptimizedModel) -> str:
     part = fast.partition
     lines = [f"{name}.forward: {sum(1 for _ in fast.graph_module.graph.nodes)} graph nodes"]
     if part is None:
-        lines.append("SmartStage off (dr.Config(smart_stage=True) enables it); the model runs as written.")
-        return "\n".join(lines)
+        lines.append("SmartStage off (dr.Config(smart_stage=True) enables it).")
+        return "\n".join(lines + _explain_step(fast))
     nodes = {n.name: n for n in fast.graph_module.graph.nodes}
     columns = [nodes[n].args[1] for n in part.stage_nodes
                if nodes[n].target is operator.getitem and nodes[n].args[0].op == "placeholder"]
@@ -267,4 +268,29 @@ def explain(fast: OptimizedModel) -> str:
     if part.kept:
         lines.append("data-side nodes kept in main, and why:")
         lines += [f"  {node}: {reason}" for node, reason in part.kept.items()]
-    return "\n".join(lines)
+    return "\n".join(lines + _explain_step(fast))
+
+
+def _explain_step(fast: OptimizedModel) -> list[str]:
+    cfg, step, lines = fast.config, fast.main_step, []
+    if step is not None and step.streams is not None:
+        ms = cfg.multi_stream
+        lines.append(f"multi-stream: policy={ms.policy!r}, {step.streams.streams_used} of {ms.num_streams} "
+                     f"streams used ({'CUDA streams' if fast.device.type == 'cuda' else 'one thread each on CPU'}):")
+        for sid, names in stream_summary(step.target).items():
+            shown = ", ".join(names[:12]) + (f", ... ({len(names)} nodes)" if len(names) > 12 else "")
+            lines.append(f"  stream {sid}: {shown}")
+    if cfg.micro_batch_num > 1:
+        lines.append(f"micro-batch: each batch runs as {cfg.micro_batch_num} micro-batches, gradients accumulated")
+    if cfg.graph_fusion:
+        failed = step.compiled.failed if step is not None and step.compiled is not None else None
+        lines.append("graph fusion: torch.compile of the step" + (f" (fell back to eager: {failed})" if failed else ""))
+    if cfg.bf16:
+        lines.append("bf16: the step runs under torch.autocast(bfloat16); weights and optimizer state stay fp32")
+    if not lines and part_is_plain(fast):
+        lines.append("no other pass: the model runs as written.")
+    return lines
+
+
+def part_is_plain(fast: OptimizedModel) -> bool:
+    return fast.partition is None
