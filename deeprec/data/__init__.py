@@ -1,20 +1,45 @@
-"""Readers yielding raw batches, and the synthetic Criteo generator."""
-from deeprec.data.criteo import CRITEO_COLUMNS, DENSE, LABEL, SPARSE, CriteoReader, detect_layout
+"""Readers yielding raw batches, dataset schemas and presets, and the synthetic generators."""
+from deeprec.data.criteo import CRITEO_COLUMNS, CRITEO_SCHEMA, DENSE, LABEL, SPARSE, CriteoReader, detect_layout
+from deeprec.data.csv import CsvReader
 from deeprec.data.parquet import ParquetReader, write_parquet
+from deeprec.data.presets import PRESETS, detect_preset, schema_for
 from deeprec.data.reader import BatchReader, ColumnSpec, ReaderStats
+from deeprec.data.schema import Column, Schema, load_schema, schema_from_dict, schema_to_dict
 from deeprec.data.synth import KAGGLE_CARDINALITIES, SMALL_CARDINALITIES, write_synthetic
+from deeprec.data.synth_behavior import write_behavior
 
 
-def open_reader(paths, batch_size: int, **kwargs) -> BatchReader:
-    """`ParquetReader` for .parquet files, `CriteoReader` otherwise."""
+def resolve_schema(paths, schema=None) -> Schema:
+    """A Schema, a preset name, a TOML path, or None (the preset the first file matches)."""
+    from deeprec.data.reader import resolve_paths
+
+    if isinstance(schema, Schema):
+        return schema
+    if isinstance(schema, dict):
+        return schema_from_dict(schema)
+    if isinstance(schema, str) and schema.endswith(".toml"):
+        return load_schema(schema)
+    files = resolve_paths(paths)
+    if all(f.endswith((".parquet", ".pq")) for f in files):
+        return PRESETS[schema or "criteo"]
+    return schema_for(files[0], schema)
+
+
+def open_reader(paths, batch_size: int, schema=None, **kwargs) -> BatchReader:
+    """`ParquetReader` for .parquet files, `CsvReader` otherwise, with `schema`
+    (a Schema, preset name or TOML file; None: the preset the file matches)."""
     from deeprec.data.reader import resolve_paths
 
     files = resolve_paths(paths)
+    schema = resolve_schema(files, schema)
     if all(f.endswith((".parquet", ".pq")) for f in files):
-        return ParquetReader(files, batch_size, **kwargs)
-    return CriteoReader(files, batch_size, **kwargs)
+        return ParquetReader(files, batch_size, columns=CRITEO_COLUMNS if schema is CRITEO_SCHEMA else schema,
+                             **kwargs)
+    return CsvReader(files, schema, batch_size, **kwargs)
 
 
-__all__ = ["BatchReader", "ColumnSpec", "CriteoReader", "ParquetReader", "ReaderStats",
+__all__ = ["BatchReader", "ColumnSpec", "CriteoReader", "CsvReader", "ParquetReader", "ReaderStats", "Column",
+           "Schema", "CRITEO_SCHEMA", "PRESETS", "detect_preset", "schema_for", "load_schema", "schema_from_dict",
+           "schema_to_dict", "resolve_schema", "write_behavior",
            "CRITEO_COLUMNS", "LABEL", "DENSE", "SPARSE", "KAGGLE_CARDINALITIES",
            "SMALL_CARDINALITIES", "detect_layout", "open_reader", "write_parquet", "write_synthetic"]

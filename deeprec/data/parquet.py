@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 
 from deeprec.data.criteo import CRITEO_COLUMNS
 from deeprec.data.reader import BatchReader, ColumnSpec, resolve_paths
+from deeprec.data.schema import Schema
 from deeprec.errors import DataError
 
 READ_ROWS = 65536
@@ -24,7 +25,7 @@ READ_ROWS = 65536
 class ParquetReader(BatchReader):
     """Streaming Parquet reader; same arguments and batches as `CriteoReader`."""
 
-    def __init__(self, paths, batch_size: int, *, columns: ColumnSpec = CRITEO_COLUMNS, **kwargs):
+    def __init__(self, paths, batch_size: int, *, columns: ColumnSpec | Schema = CRITEO_COLUMNS, **kwargs):
         super().__init__(resolve_paths(paths), batch_size, columns, **kwargs)
         self._row_groups = {}
         for path in self.paths:
@@ -54,6 +55,8 @@ class ParquetReader(BatchReader):
             first_row += batch.num_rows
 
     def _conform(self, path: str, first_row: int, table: pa.Table) -> pa.Table:
+        if isinstance(self.columns, Schema):
+            return self._conform_schema(path, first_row, table)
         columns = {}
         for name in self.columns.labels + self.columns.dense:
             try:
@@ -81,14 +84,59 @@ class ParquetReader(BatchReader):
         return table
 
 
+    def _conform_schema(self, path: str, first_row: int, table: pa.Table) -> pa.Table:
+        schema, columns = self.columns, {}
+        for c in schema.columns:
+            if c.kind == "ignore":
+                continue
+            col = table.column(c.name)
+            try:
+                if c.kind in ("label", "dense", "weight"):
+                    col = pc.cast(col, pa.float32())
+                elif c.kind == "categorical" and c.dtype == "int":
+                    col = pc.cast(col, pa.int64())
+                elif c.kind == "categorical":
+                    if not (pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type)):
+                        col = pc.cast(col, pa.string())
+                    col = pc.fill_null(pc.cast(col, pa.binary()), b"")
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as err:
+                raise DataError(f"column {c.name} of type {col.type} does not fit the schema's "
+                                f"{c.kind} ({c.dtype}) ({err})", path) from err
+            columns[c.name] = col
+        table = pa.table(columns)
+        valid = None
+        for name in schema.labels:
+            label = table.column(name)
+            if schema[name].positive_at is None:
+                ok = pc.fill_null(pc.or_(pc.equal(label, 0.0), pc.equal(label, 1.0)), False)
+            else:
+                ok = pc.invert(pc.is_null(label, nan_is_null=True))
+            valid = ok if valid is None else pc.and_(valid, ok)
+        if valid is not None and not pc.all(valid).as_py():
+            bad_rows = np.flatnonzero(~valid.to_numpy(zero_copy_only=False))
+            self._report(path, [(lambda r=int(r): first_row + r + 1,
+                                 "label must be 0 or 1 (line = 1-based row number in the file)") for r in bad_rows])
+            table = table.filter(valid)
+        return table
+
+
+def _arrow(value) -> pa.Array:
+    from deeprec.nn.lookup import Ragged
+
+    if isinstance(value, Ragged):
+        values = value.values.numpy() if hasattr(value.values, "numpy") else value.values
+        items = pa.array(values) if values.dtype != object else pa.array(values, type=pa.binary())
+        return pa.ListArray.from_arrays(pa.array(value.offsets.numpy(), pa.int32()), items)
+    return pa.array(value.numpy()) if hasattr(value, "numpy") else pa.array(value, type=pa.binary())
+
+
 def write_parquet(reader: BatchReader, path: str, row_group_rows: int = 100_000) -> int:
     """Write every batch of `reader` to one Parquet file (strings as binary)."""
     writer = None
     rows = 0
     try:
         for batch in reader:
-            cols = {name: (pa.array(value.numpy()) if hasattr(value, "numpy")
-                           else pa.array(value, type=pa.binary())) for name, value in batch.items()}
+            cols = {name: _arrow(value) for name, value in batch.items()}
             table = pa.table(cols)
             if writer is None:
                 writer = pq.ParquetWriter(path, table.schema)

@@ -46,6 +46,15 @@ class ColumnSpec:
     def names(self) -> tuple[str, ...]:
         return self.labels + self.dense + self.strings
 
+    def to_batch(self, table: pa.Table) -> dict:
+        batch = {}
+        for name in self.labels + self.dense:
+            arr = np.asarray(table.column(name).to_numpy(), dtype=np.float32)
+            batch[name] = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+        for name in self.strings:
+            batch[name] = table.column(name).to_numpy()
+        return batch
+
 
 class BatchReader:
     """Base class; see `CriteoReader` and `ParquetReader`."""
@@ -165,13 +174,7 @@ class BatchReader:
             self._batches_in_epoch = 0
 
     def _to_batch(self, table: pa.Table) -> dict:
-        batch = {}
-        for name in self.columns.labels + self.columns.dense:
-            arr = np.asarray(table.column(name).to_numpy(), dtype=np.float32)
-            batch[name] = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
-        for name in self.columns.strings:
-            batch[name] = table.column(name).to_numpy()
-        return batch
+        return self.columns.to_batch(table)
 
 
 def _shuffle(tables: Iterator[pa.Table], size: int, rng: np.random.Generator) -> Iterator[pa.Table]:

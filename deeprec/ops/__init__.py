@@ -19,6 +19,7 @@ from deeprec.ops.graph_op import is_op, is_stateful_op, op
 __all__ = [
     "op", "is_op", "is_stateful_op", "string_to_hash_bucket", "hash64",
     "fill_missing", "log_normalize", "bucketize", "cross_hash_bucket", "dedup", "string_to_hash_key",
+    "hash_ragged", "truncate_ragged", "pad_ragged", "id_to_bucket",
 ]
 
 
@@ -127,3 +128,6 @@ def dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(unique ids, inverse) with unique[inverse] == ids: look up each id once."""
     unique, inverse = torch.unique(ids, return_inverse=True)
     return unique, inverse
+
+
+from deeprec.ops.sequence import hash_ragged, id_to_bucket, pad_ragged, truncate_ragged  # noqa: E402

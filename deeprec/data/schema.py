@@ -1,0 +1,232 @@
+"""A dataset's columns, declared once (Python or a TOML file).
+
+    schema = Schema([Column("click", "label"), Column("price", "dense"),
+                     Column("user_id", "categorical"), Column("item_id", "categorical", dtype="int"),
+                     Column("history", "sequence", separator="|", max_length=50)],
+                    delimiter=",", header=True)
+    reader = CsvReader("clicks.csv", schema, batch_size=512)
+
+What each kind becomes in a raw batch (the same conventions as CriteoReader):
+    label        float32 [B]; must be 0 or 1, or, with positive_at=x, 1.0 where value >= x
+    dense        float32 [B], NaN where missing
+    categorical  dtype "string": numpy object array of bytes (b"" = missing);
+                 dtype "int": int64 [B] (-1 = missing)
+    sequence     deeprec.nn.Ragged(values, offsets): values int64 (dtype "int") or a numpy
+                 object array of bytes (dtype "string"); row b holds values[offsets[b]:offsets[b+1]];
+                 an empty field is an empty row; only the last max_length items are kept
+    weight       float32 [B] (sample weights; missing = 1)
+    ignore       read past, not returned
+"""
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from deeprec.errors import ConfigError, check_choice
+
+KINDS = ("label", "dense", "categorical", "sequence", "weight", "ignore")
+DTYPES = ("string", "int")
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    kind: str
+    dtype: str = "string"  # categorical and sequence values
+    separator: str = "|"  # sequence
+    max_length: int | None = None  # sequence: keep the last max_length items
+    positive_at: float | None = None  # label from a score: 1.0 where value >= positive_at
+    role: str | None = None  # "user" | "item": which tower / query side a feature belongs to (DIN, DSSM)
+    embed_with: str | None = None  # sequence: share the embedding table of this categorical (DIN history)
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"a column needs a name, got {self.name!r}")
+        check_choice(f"column {self.name!r} kind", self.kind, KINDS)
+        check_choice(f"column {self.name!r} dtype", self.dtype, DTYPES)
+        if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 1):
+            raise ConfigError(f"column {self.name!r}: max_length must be a positive int, got {self.max_length!r}")
+        if self.role is not None:
+            check_choice(f"column {self.name!r} role", self.role, ("user", "item"))
+        if self.embed_with is not None and self.kind != "sequence":
+            raise ConfigError(f"column {self.name!r}: embed_with applies to sequence columns")
+        if self.kind == "sequence" and not self.separator:
+            raise ConfigError(f"column {self.name!r}: a sequence needs a separator")
+
+
+@dataclass(frozen=True)
+class Schema:
+    """Columns in file order (all of them when the file has no header)."""
+
+    columns: tuple[Column, ...]
+    delimiter: str = ","  # "auto": tab if the first line has one, else comma
+    header: bool | str = True  # True | False | "auto" (a header if the first line names the columns)
+    name: str = "custom"
+    _by_name: dict = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        columns = tuple(self.columns)
+        object.__setattr__(self, "columns", columns)
+        if not columns:
+            raise ConfigError("a schema needs at least one column")
+        names = [c.name for c in columns]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ConfigError(f"schema {self.name!r}: column(s) declared twice: {', '.join(dupes)}")
+        if not self.labels:
+            raise ConfigError(f"schema {self.name!r} declares no label column")
+        for c in columns:
+            if c.embed_with is not None and (c.embed_with not in names
+                                             or columns[names.index(c.embed_with)].kind != "categorical"):
+                raise ConfigError(f"schema {self.name!r}: column {c.name!r} embed_with={c.embed_with!r} must name "
+                                  "a categorical column of the schema")
+        if self.header not in (True, False, "auto"):
+            raise ConfigError(f"schema header must be true, false or 'auto', got {self.header!r}")
+        object.__setattr__(self, "_by_name", {c.name: c for c in columns})
+
+    # -- views -----------------------------------------------------------------------
+    def of_kind(self, kind: str) -> tuple[str, ...]:
+        return tuple(c.name for c in self.columns if c.kind == kind)
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return self.of_kind("label")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The columns a batch holds, in declaration order."""
+        return tuple(c.name for c in self.columns if c.kind != "ignore")
+
+    @property
+    def file_names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.columns)
+
+    def __getitem__(self, name: str) -> Column:
+        return self._by_name[name]
+
+    # -- parsing types ------------------------------------------------------------------
+    def arrow_types(self, strict: bool) -> dict:
+        """Column types for pyarrow's CSV reader; strict=False reads numbers as text
+        so each bad value can be found and reported."""
+        types = {}
+        for c in self.columns:
+            if c.kind == "ignore":
+                continue
+            numeric = c.kind in ("label", "dense", "weight") or (c.kind == "categorical" and c.dtype == "int")
+            if numeric:
+                types[c.name] = (pa.int64() if c.kind == "categorical" else pa.float32()) if strict else pa.string()
+            else:
+                types[c.name] = pa.binary()
+        return types
+
+    def numeric_columns(self) -> list[Column]:
+        return [c for c in self.columns if c.kind in ("label", "dense", "weight")
+                or (c.kind == "categorical" and c.dtype == "int")]
+
+    # -- batches --------------------------------------------------------------------------
+    def to_batch(self, table: pa.Table) -> dict:
+        from deeprec.nn.lookup import Ragged
+
+        batch = {}
+        for c in self.columns:
+            if c.kind == "ignore":
+                continue
+            col = table.column(c.name)
+            if c.kind in ("label", "dense", "weight"):
+                arr = np.asarray(col.to_numpy(), dtype=np.float32)
+                if c.kind == "label" and c.positive_at is not None:
+                    arr = (arr >= c.positive_at).astype(np.float32)
+                if c.kind == "weight":
+                    arr = np.where(np.isnan(arr), np.float32(1.0), arr)
+                batch[c.name] = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+            elif c.kind == "categorical" and c.dtype == "int":
+                arr = pc.fill_null(col, -1).to_numpy()
+                batch[c.name] = torch.from_numpy(np.array(arr, dtype=np.int64))
+            elif c.kind == "categorical":
+                batch[c.name] = col.to_numpy()
+            else:
+                values, offsets = split_sequence(col, c)
+                batch[c.name] = Ragged(values, offsets)
+        return batch
+
+
+def split_sequence(col, c: Column):
+    """A delimited text column -> (values, offsets [B + 1]); the last max_length items of each row."""
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):  # Parquet list columns
+        lists = pc.fill_null(col, pa.scalar([], col.type))
+    else:
+        text = pc.cast(col, pa.string())
+        lists = pc.split_pattern(pc.if_else(pc.equal(text, ""), pa.scalar(None, pa.string()), text), c.separator)
+        lists = pc.fill_null(lists, pa.scalar([], pa.list_(pa.string())))
+    offsets = np.asarray(lists.offsets.to_numpy(), dtype=np.int64)
+    offsets = offsets - offsets[0]
+    flat = lists.flatten()
+    keep = None
+    if c.max_length is not None:
+        lengths = np.diff(offsets)
+        kept = np.minimum(lengths, c.max_length)
+        if (kept < lengths).any():
+            row = np.repeat(np.arange(len(lengths)), lengths)
+            position = np.arange(offsets[-1]) - offsets[row]
+            keep = position >= (lengths - kept)[row]
+            offsets = np.concatenate([[0], np.cumsum(kept)])
+    if c.dtype == "int":
+        try:
+            values = np.array(pc.cast(flat, pa.int64()).to_numpy(), dtype=np.int64)  # writable copy
+        except pa.ArrowInvalid as err:
+            raise ConfigError(f"sequence column {c.name!r} is declared dtype='int' but holds {err}") from None
+        values = torch.from_numpy(values[keep] if keep is not None else values)
+    else:
+        values = pc.cast(flat, pa.binary()).to_numpy(zero_copy_only=False)
+        values = values[keep] if keep is not None else values
+    return values, torch.from_numpy(offsets)
+
+
+def schema_to_dict(schema: Schema) -> dict:
+    """The TOML layout as a dict (what checkpoints record)."""
+    defaults = Column("x", "ignore")
+    columns = [{k: v for k, v in vars(c).items() if k in ("name", "kind") or v != getattr(defaults, k)}
+               for c in schema.columns]
+    return {"name": schema.name, "delimiter": schema.delimiter, "header": schema.header, "column": columns}
+
+
+def load_schema(path: str) -> Schema:
+    """A schema from a TOML file:
+
+        name = "clicks"
+        delimiter = ","
+        header = true
+        [[column]]
+        name = "click"
+        kind = "label"
+    """
+    if not os.path.exists(path):
+        raise ConfigError(f"no such schema file: {path!r}")
+    with open(path, "rb") as f:
+        try:
+            spec = tomllib.load(f)
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path}: not valid TOML: {err}") from None
+    return schema_from_dict(spec, where=path)
+
+
+def schema_from_dict(spec: dict, where: str = "schema") -> Schema:
+    known = {"name", "delimiter", "header", "column"}
+    extra = sorted(set(spec) - known)
+    if extra:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(extra)}; allowed: {', '.join(sorted(known))}")
+    columns = []
+    for i, col in enumerate(spec.get("column", [])):
+        try:
+            columns.append(Column(**col))
+        except TypeError as err:
+            raise ConfigError(f"{where}: column {i + 1} ({col.get('name', '?')}): {err}") from None
+    return Schema(tuple(columns), delimiter=spec.get("delimiter", ","), header=spec.get("header", True),
+                  name=spec.get("name", os.path.basename(where)))
