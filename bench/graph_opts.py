@@ -163,7 +163,7 @@ def section_auc(steps: int) -> dict:
         os.replace(path + ".tmp", path)
     out = {}
     for name, kw in (("fp32", {}), ("bf16", {"bf16": True}), ("bf16 + compile", {"bf16": True, "compile": True})):
-        cfg = TrainConfig(model="dlrm", data=[path], steps=steps, batch_size=512, optimizer="adagrad", lr=0.05,
+        cfg = TrainConfig(model="dlrm", data=[path], steps=steps, batch_size=512, optimizer="adam", lr=0.003,
                           eval_fraction=0.1, smart_stage=True, progress=False, seed=0, **kw)
         result = Trainer(cfg).train()
         out[name] = {"auc": result["eval"]["auc"], "logloss": result["eval"]["logloss"],

@@ -16,26 +16,33 @@ from deeprec.models import MODELS
 from deeprec.optim import OPTIMIZERS
 
 SAMPLE = "criteo_sample.txt"
+MODEL_SAMPLES = {"din": "movielens_sample.txt", "dien": "movielens_sample.txt", "dssm": "movielens_sample.txt",
+                 "mmoe": "byterec_sample.txt"}  # the real sample each model's smoke run uses
 
 
-def sample_path() -> str:
-    """The real 200-row Criteo sample shipped inside the package."""
-    return str(resources.files("deeprec.data").joinpath("samples", SAMPLE))
+def sample_path(name: str = SAMPLE) -> str:
+    """A real sample shipped inside the package (Criteo by default)."""
+    return str(resources.files("deeprec.data").joinpath("samples", name))
 
 
-def synthetic_files(rows: int, cardinalities: str, seed: int, console: Console) -> tuple[str, str]:
+def synthetic_files(rows: int, cardinalities: str, seed: int, console: Console,
+                    kind: str = "criteo") -> tuple[str, str]:
     """Train and eval files of synthetic data, generated once into a cache folder."""
-    from deeprec.data import write_synthetic
+    from deeprec.data import write_behavior, write_synthetic
 
     cache = os.environ.get("DEEPREC_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "deeprec"))
     os.makedirs(cache, exist_ok=True)
     files = []
     for part, n, part_seed in (("train", rows, seed), ("eval", max(rows // 10, 1000), seed + 1_000_003)):
-        path = os.path.join(cache, f"synth-{cardinalities}-{n}-seed{part_seed}-{part}.tsv")
+        label = cardinalities if kind == "criteo" else kind
+        path = os.path.join(cache, f"synth-{label}-{n}-seed{part_seed}-{part}.tsv")
         if not os.path.exists(path):
             console.print(f"writing {n:,} synthetic rows to {path}")
             tmp = f"{path}.{os.getpid()}.tmp"  # workers of one job may write it at the same time
-            write_synthetic(tmp, n, cardinalities=cardinalities, seed=part_seed)
+            if kind == "behavior":  # the same users and items in train and eval: one world seed
+                write_behavior(tmp, n, seed=seed, sample_seed=part_seed)
+            else:
+                write_synthetic(tmp, n, cardinalities=cardinalities, seed=part_seed)
             os.replace(tmp, path)
         files.append(path)
     return files[0], files[1]
@@ -48,11 +55,12 @@ def cmd_train(args, console: Console) -> int:
     if args.synthetic:
         if data:
             raise DeepRecError("give --data or --synthetic, not both")
-        train_file, eval_file = synthetic_files(args.synthetic, args.cardinalities, args.seed, console)
+        kind = "behavior" if args.model in MODEL_SAMPLES else "criteo"
+        train_file, eval_file = synthetic_files(args.synthetic, args.cardinalities, args.seed, console, kind)
         data, eval_data = [train_file], eval_data or [eval_file]
     elif not data:
-        data = [sample_path()]
-        note = ("smoke run on the bundled 200-row real Criteo sample, 20% of it held out for eval: "
+        data = [sample_path(MODEL_SAMPLES.get(args.model, SAMPLE))]
+        note = (f"smoke run on the bundled real sample {os.path.basename(data[0])}, 20% of it held out for eval: "
                 "the AUC is noise; try --synthetic 1000000 for a meaningful run")
     eval_fraction = args.eval_fraction if args.eval_fraction is not None else (0.2 if note else 0.0)
     ps = {}
@@ -80,7 +88,7 @@ def cmd_train(args, console: Console) -> int:
                       smart_stage=args.smart_stage, capacity=args.capacity, stage_threads=args.stage_threads,
                       stage_executor=args.stage_executor, embedding=args.embedding,
                       multi_stream=args.multi_stream, stream_policy=args.stream_policy, micro_batch=args.micro_batch,
-                      compile=args.compile, bf16=args.bf16, **ps)
+                      compile=args.compile, bf16=args.bf16, schema=args.schema, **ps)
     if note:
         console.print(f"[bold]{note}[/bold]")
     result = train(cfg, console)
@@ -99,8 +107,10 @@ def cmd_train(args, console: Console) -> int:
     if "eval" in result:
         ev = result["eval"]
         table.add_row("eval rows", f"{ev['rows']:,}")
-        table.add_row("eval AUC", f"{ev['auc']:.4f}")
-        table.add_row("eval logloss", f"{ev['logloss']:.4f}")
+        for name, metrics in (ev.get("tasks") or {"": ev}).items():
+            suffix = f" ({name})" if name else ""
+            table.add_row(f"eval AUC{suffix}", f"{metrics['auc']:.4f}")
+            table.add_row(f"eval logloss{suffix}", f"{metrics['logloss']:.4f}")
     Console().print(table)
     if note:
         console.print(note)
@@ -135,19 +145,25 @@ def cmd_evaluate(args, console: Console) -> int:
     path = args.checkpoint if os.path.isfile(args.checkpoint) else latest_checkpoint(args.checkpoint)
     if path is None:
         raise DeepRecError(f"no checkpoint found in {args.checkpoint}")
+    from deeprec.data import schema_from_dict
+
     state = load_checkpoint(path)
-    model = build_model(state["model_name"], **state["model_overrides"])
+    schema = schema_from_dict(state["schema"]) if state.get("schema") else None
+    model = build_model(state["model_name"], schema=schema, **state["model_overrides"])
     load_model_weights(model, state["model"])
-    metrics = evaluate(model, open_reader(args.data, args.batch_size, on_bad_row=args.on_bad_row))
+    metrics = evaluate(model, open_reader(args.data, args.batch_size, schema=schema, on_bad_row=args.on_bad_row))
     console.print(f"{path} (step {state['step']}) on {', '.join(args.data)}")
     print(json.dumps(metrics))
     return 0
 
 
 def cmd_synth(args, console: Console) -> int:
-    from deeprec.data import write_synthetic
+    from deeprec.data import write_behavior, write_synthetic
 
-    summary = write_synthetic(args.out, args.rows, cardinalities=args.cardinalities, seed=args.seed)
+    if args.kind == "behavior":
+        summary = write_behavior(args.out, args.rows, seed=args.seed)
+    else:
+        summary = write_synthetic(args.out, args.rows, cardinalities=args.cardinalities, seed=args.seed)
     print(json.dumps(summary))
     return 0
 
@@ -168,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--model", choices=sorted(MODELS), default="dlrm")
     tr.add_argument("--data", nargs="+", help="TSV/CSV/Parquet files, folders or globs (default: bundled sample)")
     tr.add_argument("--eval-data", nargs="+")
+    tr.add_argument("--schema", help="the data's columns: a preset (criteo, avazu, movielens, byterec, behavior) "
+                                     "or a TOML schema file (default: the preset the data matches)")
     tr.add_argument("--eval-fraction", type=float, help="hold out this share of --data for eval")
     span = tr.add_mutually_exclusive_group()
     span.add_argument("--steps", type=int)
@@ -235,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     sy = data.add_parser("synth", help="write synthetic Criteo-layout TSV")
     sy.add_argument("--rows", type=int, required=True)
     sy.add_argument("--out", required=True)
+    sy.add_argument("--kind", choices=("criteo", "behavior"), default="criteo",
+                    help="Criteo layout, or behaviour sequences (DIN, DIEN, DSSM, MMoE)")
     sy.add_argument("--cardinalities", choices=("kaggle", "small"), default="kaggle")
     sy.add_argument("--seed", type=int, default=0)
     sy.set_defaults(func=cmd_synth)

@@ -25,9 +25,9 @@ from deeprec.config import Config, SmartStageOptions
 from deeprec.graph.streams import MultiStreamOptions
 from deeprec.checkpoint import (checkpoint_step, latest_checkpoint, list_checkpoints, load_checkpoint,
                                 save_checkpoint)
-from deeprec.data import open_reader
+from deeprec.data import open_reader, resolve_schema, schema_to_dict
 from deeprec.errors import ConfigError
-from deeprec.models import build_model
+from deeprec.models import SCHEMA_MODELS, build_model
 from deeprec.nn import incremental_state_dict
 from deeprec.optim import make_optimizer
 from deeprec.runtime import optimize
@@ -56,6 +56,7 @@ class TrainConfig:
     resume: bool = False
     threads: int | None = None
     model_overrides: dict = field(default_factory=dict)
+    schema: str | None = None  # preset name or TOML file (None: the preset the data matches)
     progress: bool = True
     smart_stage: bool = False  # pipeline the data-side subgraph (deeprec.optimize)
     capacity: int = 1  # SmartStageOptions.capacity
@@ -111,10 +112,11 @@ def _holdout_shards(fraction: float) -> tuple[int, list[int], int]:
     return n, list(range(n - 1)), n - 1
 
 
-def make_readers(cfg: TrainConfig):
-    common = dict(seed=cfg.seed, on_bad_row=cfg.on_bad_row)
+def make_readers(cfg: TrainConfig, schema=None, drop_remainder: bool = False):
+    """drop_remainder: training drops an epoch's short last batch (batch norm cannot train on one row)."""
+    common = dict(seed=cfg.seed, on_bad_row=cfg.on_bad_row, schema=schema)
     epochs = None if cfg.steps is not None else (cfg.epochs or 1)
-    train_kw = dict(shuffle_buffer=cfg.shuffle_buffer, num_epochs=epochs, **common)
+    train_kw = dict(shuffle_buffer=cfg.shuffle_buffer, num_epochs=epochs, drop_remainder=drop_remainder, **common)
     if cfg.num_shards > 1:  # a PS worker reads its share
         train_kw.update(shard_index=cfg.shard_index, num_shards=cfg.num_shards)
     eval_kw = dict(num_epochs=1, **common)
@@ -127,24 +129,36 @@ def make_readers(cfg: TrainConfig):
     return open_reader(cfg.data, cfg.batch_size, **train_kw), None
 
 
+def _metrics(y: np.ndarray, logits: np.ndarray) -> dict:
+    p = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
+    auc = roc_auc_score(y, p) if 0 < y.sum() < len(y) else float("nan")  # undefined for one class
+    return {"auc": float(auc), "logloss": float(log_loss(y, p, labels=[0, 1]))}
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, reader) -> dict:
-    """AUC and log loss (scikit-learn) of the model's click predictions over one pass."""
+    """AUC and log loss (scikit-learn) of the model's predictions over one pass;
+    a multi-task model (logits [B, T]) gets them per task under "tasks", the first
+    task's at the top level."""
+    names = tuple(getattr(model, "label_columns", ("label",)))
     was_training = model.training
     model.eval()
     labels, logits = [], []
     try:
         for batch in reader:
-            labels.append(batch["label"].numpy())
-            logits.append(model(batch)["logits"].float().numpy())
+            labels.append(np.stack([batch[n].numpy() for n in names], axis=1))
+            out = model(batch)["logits"].float()
+            logits.append((out if out.dim() == 2 else out.unsqueeze(1)).numpy())
     finally:
         model.train(was_training)
     if not labels:
         return {"rows": 0, "auc": float("nan"), "logloss": float("nan")}
-    y = np.concatenate(labels)
-    p = 1.0 / (1.0 + np.exp(-np.concatenate(logits).astype(np.float64)))
-    auc = roc_auc_score(y, p) if 0 < y.sum() < len(y) else float("nan")  # undefined for one class
-    return {"rows": int(len(y)), "auc": float(auc), "logloss": float(log_loss(y, p, labels=[0, 1]))}
+    y, z = np.concatenate(labels), np.concatenate(logits)
+    tasks = {name: _metrics(y[:, k], z[:, k]) for k, name in enumerate(names)}
+    result = {"rows": int(len(y)), **tasks[names[0]]}
+    if len(names) > 1:
+        result["tasks"] = tasks
+    return result
 
 
 class Trainer:
@@ -159,7 +173,9 @@ class Trainer:
         self.model_overrides = dict(cfg.model_overrides)  # as built, and as checkpoints record it
         if cfg.embedding is not None or cfg.ps_addresses:
             self.model_overrides["embedding"] = cfg.embedding or "variable"
-        self.model = build_model(cfg.model, **self.model_overrides)
+        data_schema = resolve_schema(cfg.data, cfg.schema)  # the Criteo models check it is Criteo's
+        self.schema = data_schema if cfg.model in SCHEMA_MODELS else None  # built over the data's columns
+        self.model = build_model(cfg.model, schema=data_schema, **self.model_overrides)
         self.ps = None
         if cfg.ps_addresses:  # parameters and their optimizer live on the parameter servers
             from deeprec.distributed import PSClient
@@ -179,7 +195,8 @@ class Trainer:
                                                       executor=cfg.stage_executor),
                 multi_stream=MultiStreamOptions(cfg.multi_stream, cfg.stream_policy) if cfg.multi_stream > 1 else None,
                 micro_batch_num=cfg.micro_batch, graph_fusion=cfg.compile, bf16=cfg.bf16))
-        self.train_reader, self.eval_reader = make_readers(cfg)
+        batch_norm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in self.model.modules())
+        self.train_reader, self.eval_reader = make_readers(cfg, self.schema or cfg.schema, drop_remainder=batch_norm)
         self.step = 0
         self._reader_state = self.train_reader.state_dict()  # position of the last batch trained on
         if cfg.resume:
@@ -188,6 +205,7 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------
     def state(self) -> dict:
         state = {"model_name": self.cfg.model, "model_overrides": self.model_overrides, "step": self.step,
+                 "schema": schema_to_dict(self.schema) if self.schema is not None else None,
                  "reader": self._reader_state, "torch_rng": torch.get_rng_state()}
         if self.ps is None:
             state.update(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())

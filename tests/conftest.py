@@ -54,3 +54,15 @@ def small_model() -> dict:
 
 
 os.environ.setdefault("DEEPREC_CACHE", os.path.join(os.path.dirname(__file__), ".cache"))
+
+
+@pytest.fixture(scope="session")
+def behavior(tmp_path_factory) -> tuple[str, str]:
+    """Synthetic behaviour logs (one world): train 30k rows, eval 5k rows."""
+    from deeprec.data import write_behavior
+
+    folder = tmp_path_factory.mktemp("behavior")
+    train, evaluation = str(folder / "train.tsv"), str(folder / "eval.tsv")
+    write_behavior(train, 30_000, seed=5, sample_seed=1)
+    write_behavior(evaluation, 5_000, seed=5, sample_seed=2)
+    return train, evaluation

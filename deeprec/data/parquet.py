@@ -30,10 +30,11 @@ class ParquetReader(BatchReader):
         self._row_groups = {}
         for path in self.paths:
             try:
-                meta = pq.ParquetFile(path).metadata
+                handle = pq.ParquetFile(path)
+                meta = handle.metadata
             except (pa.ArrowInvalid, OSError) as err:
                 raise DataError(f"not a readable Parquet file ({err})", path) from err
-            names = set(meta.schema.names)
+            names = set(handle.schema_arrow.names)  # top-level names (a list column's leaf is "element")
             missing = [c for c in columns.names if c not in names]
             if missing:
                 raise DataError(f"missing column(s) {', '.join(missing)}", path)

@@ -65,9 +65,12 @@ def _joined(values: np.ndarray, offsets: np.ndarray) -> pa.Array:
 
 
 def write_behavior(path: str, rows: int, *, users: int = 5000, items: int = 20000, categories: int = 100,
-                   max_length: int = 50, seed: int = 0, chunk_rows: int = 100_000) -> dict:
+                   max_length: int = 50, seed: int = 0, sample_seed: int | None = None,
+                   chunk_rows: int = 100_000) -> dict:
+    """`seed` fixes the world (items, users, preferences); `sample_seed` the rows drawn
+    from it (default: seed), so a train and an eval file share one world."""
     world = BehaviorWorld(users, items, categories, seed)
-    rng = np.random.default_rng([seed, 11])
+    rng = np.random.default_rng([seed if sample_seed is None else sample_seed, 11])
     clicks = 0
     with pa.OSFile(path, "wb") as sink:
         sink.write(b"click\tlike\tuser_id\titem_id\tcategory_id\thist_items\thist_cats\n")
