@@ -18,6 +18,8 @@ from deeprec.optim import OPTIMIZERS
 SAMPLE = "criteo_sample.txt"
 MODEL_SAMPLES = {"din": "movielens_sample.txt", "dien": "movielens_sample.txt", "dssm": "movielens_sample.txt",
                  "mmoe": "byterec_sample.txt"}  # the real sample each model's smoke run uses
+SAMPLE_NAMES = {SAMPLE: "200-row real Criteo sample", "movielens_sample.txt": "200-row real MovieLens sample",
+                "byterec_sample.txt": "200-row real ByteRec sample"}
 
 
 def sample_path(name: str = SAMPLE) -> str:
@@ -59,8 +61,9 @@ def cmd_train(args, console: Console) -> int:
         train_file, eval_file = synthetic_files(args.synthetic, args.cardinalities, args.seed, console, kind)
         data, eval_data = [train_file], eval_data or [eval_file]
     elif not data:
-        data = [sample_path(MODEL_SAMPLES.get(args.model, SAMPLE))]
-        note = (f"smoke run on the bundled real sample {os.path.basename(data[0])}, 20% of it held out for eval: "
+        sample = MODEL_SAMPLES.get(args.model, SAMPLE)
+        data = [sample_path(sample)]
+        note = (f"smoke run on the bundled {SAMPLE_NAMES[sample]}, 20% of it held out for eval: "
                 "the AUC is noise; try --synthetic 1000000 for a meaningful run")
     eval_fraction = args.eval_fraction if args.eval_fraction is not None else (0.2 if note else 0.0)
     ps = {}
