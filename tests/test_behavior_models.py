@@ -100,6 +100,15 @@ def test_din_sequence_preprocessing_is_staged_and_training_is_identical(behavior
         assert torch.equal(a, b), n
 
 
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_smart_stage_gives_the_same_outputs(name, behavior):
+    torch.manual_seed(0)
+    model = build_model(name, schema=PRESETS["behavior"], hash_buckets=5000).eval()
+    fast = dr.optimize(model, dr.Config(smart_stage=True))
+    batch = first_batch(behavior[0], PRESETS["behavior"])
+    assert fast.staged and torch.equal(fast(batch)["logits"], model(batch)["logits"])
+
+
 def test_cli_trains_each_model_on_its_real_sample_and_on_synthetic_data(tmp_path, capsys):
     for name in ("din", "mmoe"):
         out = tmp_path / f"{name}.json"

@@ -38,6 +38,8 @@ class DIENConfig:
 class AUGRU(nn.Module):
     """GRU whose update gate is scaled by an attention score per step; padded steps keep the state."""
 
+    _deeprec_leaf = True  # its loop over steps is one graph node when forward is traced
+
     def __init__(self, width: int):
         super().__init__()
         self.gates = nn.Linear(2 * width, 2 * width)  # reset, update

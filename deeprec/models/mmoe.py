@@ -62,4 +62,4 @@ class MMoE(nn.Module):
         labels = torch.stack([batch[name] for name in self.label_columns], dim=1)
         losses = F.binary_cross_entropy_with_logits(logits, labels, reduction="none").mean(0)
         return {"loss": losses.sum(), "logits": logits,
-                **{f"loss_{name}": loss.detach() for name, loss in zip(self.label_columns, losses)}}
+                **{f"loss_{name}": losses[k].detach() for k, name in enumerate(self.label_columns)}}
