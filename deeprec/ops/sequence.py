@@ -9,7 +9,6 @@ values[offsets[b]:offsets[b + 1]]; values are int64 or bytes (numpy object array
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from deeprec.errors import ConfigError

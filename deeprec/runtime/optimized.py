@@ -287,10 +287,6 @@ def _explain_step(fast: OptimizedModel) -> list[str]:
         lines.append("graph fusion: torch.compile of the step" + (f" (fell back to eager: {failed})" if failed else ""))
     if cfg.bf16:
         lines.append("bf16: the step runs under torch.autocast(bfloat16); weights and optimizer state stay fp32")
-    if not lines and part_is_plain(fast):
+    if not lines and fast.partition is None:
         lines.append("no other pass: the model runs as written.")
     return lines
-
-
-def part_is_plain(fast: OptimizedModel) -> bool:
-    return fast.partition is None
