@@ -131,3 +131,17 @@ def test_ragged_ops_handle_empty_and_long_rows():
         ops.pad_ragged(strings, 2)
     with pytest.raises(ConfigError, match="max_length must be a positive int"):
         ops.pad_ragged(r, 0)
+
+
+def test_a_sequence_column_feeds_the_fused_embedding_lookup():
+    """MovieLens genres (a "|" sequence) -> hashed Ragged -> EmbeddingCollection bags with a mean combiner."""
+    from deeprec.nn import EmbeddingCollection, EmbeddingFeature
+
+    path = sample_path("movielens_sample.txt")
+    batch = next(iter(CsvReader(path, schema_for(path), batch_size=4)))
+    genres = ops.hash_ragged(batch["genres"], 50)
+    coll = EmbeddingCollection([EmbeddingFeature("genres", 50, combiner="mean")], 3)
+    pooled = coll({"genres": genres})[:, 0]  # [B, D]
+    first = genres.values[: int(genres.offsets[1])]
+    expected = coll.lookup.weight[first].mean(0)
+    assert pooled.shape == (4, 3) and torch.allclose(pooled[0], expected)

@@ -170,12 +170,13 @@ class EmbeddingVariable(nn.Module):
     def _insert(self, keys: torch.Tensor) -> torch.Tensor:
         n = keys.numel()
         self._grow(self.size + n)
+        new = slice(self.size, self.size + n)  # new rows are contiguous: slice writes, no index tensors
         rows = torch.arange(self.size, self.size + n, dtype=torch.int64)
-        self.keys[rows] = keys
-        self.weight[rows] = self._defaults[torch.remainder(keys, self._defaults.shape[0])]
-        self.freq[rows] = 0
-        self.version[rows] = self.global_step
-        self.dirty[rows] = True
+        self.keys[new] = keys
+        torch.index_select(self._defaults, 0, torch.remainder(keys, self._defaults.shape[0]), out=self.weight[new])
+        self.freq[new] = 0
+        self.version[new] = self.global_step
+        self.dirty[new] = True
         self._index.insert(keys.numpy(), rows.numpy())
         self.size += n
         return rows
