@@ -243,3 +243,20 @@ def test_graph_fusion_keeps_outputs_or_falls_back_with_one_warning(sample, recwa
 def test_graph_fusion_and_multi_stream_are_exclusive():
     with pytest.raises(dr.ConfigError, match="graph_fusion and multi_stream"):
         dr.Config(graph_fusion=True, multi_stream=MultiStreamOptions(2, "full"))
+
+
+def test_micro_batches_split_sequence_columns(behavior):
+    """DIN on behaviour logs: Ragged histories are split by rows; the gradient is the full batch's."""
+    from deeprec.data import PRESETS, CsvReader
+
+    torch.manual_seed(0)
+    plain = build_model("din", hash_buckets=3000, batch_norm=False)  # batch statistics differ per micro-batch
+    twin = copy.deepcopy(plain)
+    fast = dr.optimize(twin, dr.Config(micro_batch_num=3))
+    batch = next(iter(CsvReader(behavior[0], PRESETS["behavior"], batch_size=100)))
+    plain(batch)["loss"].backward()
+    out = fast.step(batch)
+    assert out["logits"].shape == (100,)
+    for (name, p), q in zip(plain.named_parameters(), twin.parameters()):
+        a, b = p.grad.to_dense(), q.grad.to_dense()
+        assert (a - b).abs().max() <= 1e-5 * a.abs().max() + 1e-8, name
