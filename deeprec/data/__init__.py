@@ -33,8 +33,7 @@ def open_reader(paths, batch_size: int, schema=None, **kwargs) -> BatchReader:
     files = resolve_paths(paths)
     schema = resolve_schema(files, schema)
     if all(f.endswith((".parquet", ".pq")) for f in files):
-        return ParquetReader(files, batch_size, columns=CRITEO_COLUMNS if schema is CRITEO_SCHEMA else schema,
-                             **kwargs)
+        return ParquetReader(files, batch_size, columns=schema, **kwargs)
     return CsvReader(files, schema, batch_size, **kwargs)
 
 

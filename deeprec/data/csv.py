@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
 from deeprec.data.reader import BatchReader, resolve_paths
-from deeprec.data.schema import Schema
+from deeprec.data.schema import Schema, check_labels
 from deeprec.errors import DataError
 
 CHUNK_BYTES = 4 << 20
@@ -185,18 +185,9 @@ class CsvReader(BatchReader):
         problems = [(lambda k=k: locator.bad_width_line(k), f"expected {len(layout.names)} fields, found {w}")
                     for k, w in enumerate(wrong_width)]
         reasons = dict(bad)
-        for name in schema.labels:
-            label = table.column(name)
-            if schema[name].positive_at is None:  # must be exactly 0 or 1
-                ok = pc.fill_null(pc.or_(pc.equal(label, 0.0), pc.equal(label, 1.0)), False)
-            else:  # a score: any number
-                ok = pc.invert(pc.is_null(label, nan_is_null=True))
-            if not pc.all(ok).as_py():
-                values = label.to_numpy(zero_copy_only=False)
-                wanted = "0 or 1" if schema[name].positive_at is None else "a number"
-                for row in np.flatnonzero(~ok.to_numpy(zero_copy_only=False)):
-                    reasons.setdefault(int(row), f"{name} must be {wanted}, found {_show(values[row])}")
-            valid = ok if valid is None else pc.and_(valid, ok)
+        label_ok = check_labels(schema, table, reasons)
+        if label_ok is not None:
+            valid = label_ok if valid is None else pc.and_(valid, label_ok)
         if valid is not None and not pc.all(valid).as_py():
             for row in np.flatnonzero(~valid.to_numpy(zero_copy_only=False)):
                 problems.append((lambda row=int(row): locator.data_row_line(row), reasons[int(row)]))
@@ -204,12 +195,6 @@ class CsvReader(BatchReader):
         if problems:
             self._report(path, problems)
         return table
-
-
-def _show(value) -> str:
-    if value is None or np.isnan(value):
-        return "nothing"
-    return f"{float(value):g}"
 
 
 def _validate_numbers(table: pa.Table, schema: Schema):

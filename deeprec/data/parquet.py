@@ -1,9 +1,10 @@
-"""Parquet input with the same raw-batch schema as `CriteoReader`.
+"""Parquet input with the same raw batches as the CSV readers, for any schema (Criteo's by default).
 
 Units are (file, row group), dealt round-robin to shards; each row group is
 streamed in record batches, so memory stays bounded by the row-group reads.
-Numeric columns are cast to float32; categorical columns of any type reach
-`forward` as bytes (integers are written in decimal).
+Numeric columns are cast to float32; string categoricals of any type reach
+`forward` as bytes (integers written in decimal); sequences may be list columns
+or delimited strings.
 """
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from deeprec.data.criteo import CRITEO_COLUMNS
+from deeprec.data.criteo import CRITEO_SCHEMA
 from deeprec.data.reader import BatchReader, ColumnSpec, resolve_paths
-from deeprec.data.schema import Schema
+from deeprec.data.schema import Column, Schema, check_labels
 from deeprec.errors import DataError
 
 READ_ROWS = 65536
@@ -25,7 +26,10 @@ READ_ROWS = 65536
 class ParquetReader(BatchReader):
     """Streaming Parquet reader; same arguments and batches as `CriteoReader`."""
 
-    def __init__(self, paths, batch_size: int, *, columns: ColumnSpec | Schema = CRITEO_COLUMNS, **kwargs):
+    def __init__(self, paths, batch_size: int, *, columns: ColumnSpec | Schema = CRITEO_SCHEMA, **kwargs):
+        if isinstance(columns, ColumnSpec):  # the older description: labels, dense, string columns
+            columns = Schema((*(Column(n, "label") for n in columns.labels), *(Column(n, "dense") for n in columns.dense),
+                              *(Column(n, "categorical") for n in columns.strings)))
         super().__init__(resolve_paths(paths), batch_size, columns, **kwargs)
         self._row_groups = {}
         for path in self.paths:
@@ -56,36 +60,6 @@ class ParquetReader(BatchReader):
             first_row += batch.num_rows
 
     def _conform(self, path: str, first_row: int, table: pa.Table) -> pa.Table:
-        if isinstance(self.columns, Schema):
-            return self._conform_schema(path, first_row, table)
-        columns = {}
-        for name in self.columns.labels + self.columns.dense:
-            try:
-                columns[name] = pc.cast(table.column(name), pa.float32())
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as err:
-                raise DataError(f"column {name} of type {table.column(name).type} is not numeric ({err})",
-                                path) from err
-        for name in self.columns.strings:
-            col = table.column(name)
-            if not (pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type)):
-                col = pc.cast(col, pa.string())
-            columns[name] = pc.fill_null(pc.cast(col, pa.binary()), b"")
-        table = pa.table(columns)
-        valid = None
-        for name in self.columns.labels:
-            label = table.column(name)
-            ok = pc.fill_null(pc.or_(pc.equal(label, 0.0), pc.equal(label, 1.0)), False)
-            valid = ok if valid is None else pc.and_(valid, ok)
-        if valid is not None and not pc.all(valid).as_py():
-            bad_rows = np.flatnonzero(~valid.to_numpy(zero_copy_only=False))
-            self._report(path, [(lambda r=int(r): first_row + r + 1,
-                                 "label must be 0 or 1 (line = 1-based row number in the file)")
-                                for r in bad_rows])
-            table = table.filter(valid)
-        return table
-
-
-    def _conform_schema(self, path: str, first_row: int, table: pa.Table) -> pa.Table:
         schema, columns = self.columns, {}
         for c in schema.columns:
             if c.kind == "ignore":
@@ -105,18 +79,12 @@ class ParquetReader(BatchReader):
                                 f"{c.kind} ({c.dtype}) ({err})", path) from err
             columns[c.name] = col
         table = pa.table(columns)
-        valid = None
-        for name in schema.labels:
-            label = table.column(name)
-            if schema[name].positive_at is None:
-                ok = pc.fill_null(pc.or_(pc.equal(label, 0.0), pc.equal(label, 1.0)), False)
-            else:
-                ok = pc.invert(pc.is_null(label, nan_is_null=True))
-            valid = ok if valid is None else pc.and_(valid, ok)
+        reasons: dict[int, str] = {}
+        valid = check_labels(schema, table, reasons)
         if valid is not None and not pc.all(valid).as_py():
             bad_rows = np.flatnonzero(~valid.to_numpy(zero_copy_only=False))
             self._report(path, [(lambda r=int(r): first_row + r + 1,
-                                 "label must be 0 or 1 (line = 1-based row number in the file)") for r in bad_rows])
+                                 f"{reasons[int(r)]} (line = 1-based row number in the file)") for r in bad_rows])
             table = table.filter(valid)
         return table
 

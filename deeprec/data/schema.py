@@ -156,6 +156,27 @@ class Schema:
         return batch
 
 
+def check_labels(schema: Schema, table: pa.Table, reasons: dict) -> object:
+    """Rows whose labels are valid (0/1, or any number with positive_at) as a boolean
+    array (None if there is no label column); adds "why not" per bad row to `reasons`."""
+    valid = None
+    for name in schema.labels:
+        label = table.column(name)
+        if schema[name].positive_at is None:  # must be exactly 0 or 1
+            ok = pc.fill_null(pc.or_(pc.equal(label, 0.0), pc.equal(label, 1.0)), False)
+        else:  # a score: any number
+            ok = pc.invert(pc.is_null(label, nan_is_null=True))
+        if not pc.all(ok).as_py():
+            values = label.to_numpy(zero_copy_only=False)
+            wanted = "0 or 1" if schema[name].positive_at is None else "a number"
+            for row in np.flatnonzero(~ok.to_numpy(zero_copy_only=False)):
+                value = values[row]
+                shown = "nothing" if value is None or np.isnan(value) else f"{float(value):g}"
+                reasons.setdefault(int(row), f"{name} must be {wanted}, found {shown}")
+        valid = ok if valid is None else pc.and_(valid, ok)
+    return valid
+
+
 def split_sequence(col, c: Column):
     """A delimited text column -> (values, offsets [B + 1]); the last max_length items of each row."""
     col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
