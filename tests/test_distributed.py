@@ -385,8 +385,9 @@ def test_async_embedding_pulls_rows_in_the_prefetch(ps_pool, unique_tsv):
     assert runs[1e-30, True][0] == runs[1e-30, False][0]  # same rows for the same batches
     for lr in (1e-30, 0.05):
         assert runs[lr, True][1:] == (6, 0) and runs[lr, False][1:] == (0, 6)
+    # rows pulled ahead may miss the last updates (whether they do depends on timing): close, not equal
     stale, fresh = runs[0.05, True][0], runs[0.05, False][0]
-    assert stale != fresh and abs(sum(stale) - sum(fresh)) < 0.05 * sum(fresh)  # bounded staleness
+    assert abs(sum(stale) - sum(fresh)) < 0.05 * sum(fresh)
 
 
 def test_async_embedding_needs_ps_and_smart_stage(tmp_path):
