@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from deeprec.data.criteo import CRITEO_SCHEMA
 from deeprec.data.reader import BatchReader, ColumnSpec, resolve_paths
-from deeprec.data.schema import Column, Schema, check_labels
+from deeprec.data.schema import Schema, check_labels
 from deeprec.errors import DataError
 
 READ_ROWS = 65536
@@ -27,10 +27,7 @@ class ParquetReader(BatchReader):
     """Streaming Parquet reader; same arguments and batches as `CriteoReader`."""
 
     def __init__(self, paths, batch_size: int, *, columns: ColumnSpec | Schema = CRITEO_SCHEMA, **kwargs):
-        if isinstance(columns, ColumnSpec):  # the older description: labels, dense, string columns
-            columns = Schema((*(Column(n, "label") for n in columns.labels), *(Column(n, "dense") for n in columns.dense),
-                              *(Column(n, "categorical") for n in columns.strings)))
-        super().__init__(resolve_paths(paths), batch_size, columns, **kwargs)
+        super().__init__(resolve_paths(paths), batch_size, columns, **kwargs)  # self.columns: a Schema
         self._row_groups = {}
         for path in self.paths:
             try:
@@ -39,7 +36,7 @@ class ParquetReader(BatchReader):
             except (pa.ArrowInvalid, OSError) as err:
                 raise DataError(f"not a readable Parquet file ({err})", path) from err
             names = set(handle.schema_arrow.names)  # top-level names (a list column's leaf is "element")
-            missing = [c for c in columns.names if c not in names]
+            missing = [c for c in self.columns.names if c not in names]
             if missing:
                 raise DataError(f"missing column(s) {', '.join(missing)}", path)
             starts = np.concatenate([[0], np.cumsum([meta.row_group(i).num_rows

@@ -55,11 +55,11 @@ def _first_line(path: str) -> str:
 def detect_preset(path: str) -> str:
     """The preset whose header (or headerless field count and delimiter) the file matches."""
     line = _first_line(path)
+    delimiter = "\t" if "\t" in line else ","
+    fields = [f.strip().strip('"') for f in line.split(delimiter)]
     for name, schema in PRESETS.items():
-        delimiter = "\t" if "\t" in line else ","
         if schema.delimiter not in ("auto", delimiter):
             continue
-        fields = [f.strip().strip('"') for f in line.split(delimiter)]
         if schema.header is not False and set(schema.names) <= set(fields):
             return name
         if schema.header is not True and len(fields) == len(schema.file_names) \

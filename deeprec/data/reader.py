@@ -16,7 +16,6 @@ from typing import Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
-import torch
 
 from deeprec.errors import ConfigError, DataError, check_choice
 
@@ -46,20 +45,18 @@ class ColumnSpec:
     def names(self) -> tuple[str, ...]:
         return self.labels + self.dense + self.strings
 
-    def to_batch(self, table: pa.Table) -> dict:
-        batch = {}
-        for name in self.labels + self.dense:
-            arr = np.asarray(table.column(name).to_numpy(), dtype=np.float32)
-            batch[name] = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
-        for name in self.strings:
-            batch[name] = table.column(name).to_numpy()
-        return batch
+    def to_schema(self):
+        """The same columns as a `deeprec.data.Schema` (what the readers work with)."""
+        from deeprec.data.schema import Column, Schema
+
+        return Schema((*(Column(n, "label") for n in self.labels), *(Column(n, "dense") for n in self.dense),
+                       *(Column(n, "categorical") for n in self.strings)))
 
 
 class BatchReader:
     """Base class; see `CriteoReader` and `ParquetReader`."""
 
-    def __init__(self, paths, batch_size: int, columns: ColumnSpec, *, shuffle_buffer: int = 0,
+    def __init__(self, paths, batch_size: int, columns, *, shuffle_buffer: int = 0,
                  seed: int = 0, num_epochs: int | None = 1, shard_index: int = 0,
                  num_shards: int = 1, on_bad_row: str = "raise", drop_remainder: bool = False):
         check_choice("on_bad_row", on_bad_row, BAD_ROW_POLICIES)
@@ -79,7 +76,7 @@ class BatchReader:
         if shuffle_buffer < 0:
             raise ConfigError(f"shuffle_buffer must be >= 0, got {shuffle_buffer}")
         self.batch_size = batch_size
-        self.columns = columns
+        self.columns = columns.to_schema() if isinstance(columns, ColumnSpec) else columns  # a Schema
         self.shuffle_buffer = shuffle_buffer
         self.seed = seed
         self.num_epochs = num_epochs
