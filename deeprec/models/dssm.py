@@ -18,7 +18,7 @@ from torch import nn
 from deeprec.data.schema import Schema
 from deeprec.errors import ConfigError, check_choice
 from deeprec.models.common import MLP
-from deeprec.models.features import FeatureEmbedder, binary_head, label_columns, masked_mean
+from deeprec.models.features import FeatureEmbedder, binary_head, label_columns
 
 
 @dataclass
@@ -42,16 +42,10 @@ class Tower(nn.Module):
         self.categorical = embedder.columns("categorical", role)
         self.sequences = embedder.columns("sequence", role)
         self.dense = embedder.columns("dense", role)
-        width = (len(self.categorical) + len(self.sequences)) * embedder.dim + len(self.dense)
-        self.mlp = MLP(width, hidden, out=out)
+        self.mlp = MLP(embedder.flat_width(self.categorical, self.sequences, self.dense), hidden, out=out)
 
     def forward(self, batch: dict) -> torch.Tensor:
-        e = self.embedder
-        parts = [e.categorical(batch, name) for name in self.categorical]
-        parts += [masked_mean(*e.sequence(batch, name)) for name in self.sequences]
-        if self.dense:
-            parts.append(torch.stack([e.dense(batch, name) for name in self.dense], dim=1))
-        return self.mlp(torch.cat(parts, dim=1))
+        return self.mlp(self.embedder.flat(batch, self.categorical, self.sequences, self.dense))
 
 
 class DSSM(nn.Module):

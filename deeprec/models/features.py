@@ -63,6 +63,17 @@ class FeatureEmbedder(nn.Module):
     def dense(self, batch: dict, name: str) -> torch.Tensor:
         return ops.log_normalize(ops.fill_missing(batch[name], 0.0))
 
+    def flat_width(self, categorical, sequences, dense) -> int:
+        return (len(categorical) + len(sequences)) * self.dim + len(dense)
+
+    def flat(self, batch: dict, categorical, sequences, dense) -> torch.Tensor:
+        """[B, flat_width]: categorical embeddings, mean-pooled sequences, then dense values."""
+        parts = [self.categorical(batch, name) for name in categorical]
+        parts += [masked_mean(*self.sequence(batch, name)) for name in sequences]
+        if dense:
+            parts.append(torch.stack([self.dense(batch, name) for name in dense], dim=1))
+        return torch.cat(parts, dim=1)
+
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean over the valid positions of [B, L, D] (zeros for an empty row)."""

@@ -17,7 +17,7 @@ from torch import nn
 
 from deeprec.data.schema import Schema
 from deeprec.models.common import MLP
-from deeprec.models.features import FeatureEmbedder, masked_mean
+from deeprec.models.features import FeatureEmbedder
 
 
 @dataclass
@@ -41,18 +41,13 @@ class MMoE(nn.Module):
         self.embedder = e = FeatureEmbedder(self.schema, config.embedding_dim, config.hash_buckets, config.max_length)
         self.categorical, self.sequences = e.columns("categorical"), e.columns("sequence")
         self.dense = e.columns("dense")
-        width = (len(self.categorical) + len(self.sequences)) * e.dim + len(self.dense)
+        width = e.flat_width(self.categorical, self.sequences, self.dense)
         self.experts = nn.ModuleList(MLP(width, config.expert) for _ in range(config.num_experts))
         self.gates = nn.ModuleList(nn.Linear(width, config.num_experts) for _ in self.label_columns)
         self.towers = nn.ModuleList(MLP(config.expert[-1], config.tower, out=1) for _ in self.label_columns)
 
     def forward(self, batch: dict) -> dict:
-        e = self.embedder
-        parts = [e.categorical(batch, name) for name in self.categorical]
-        parts += [masked_mean(*e.sequence(batch, name)) for name in self.sequences]
-        if self.dense:
-            parts.append(torch.stack([e.dense(batch, name) for name in self.dense], dim=1))
-        x = torch.cat(parts, dim=1)
+        x = self.embedder.flat(batch, self.categorical, self.sequences, self.dense)
         experts = torch.stack([expert(x) for expert in self.experts], dim=1)  # [B, K, H]
         logits = []
         for gate, tower in zip(self.gates, self.towers):
