@@ -50,16 +50,29 @@ def plot_path(name: str) -> str:
     return os.path.join(RESULTS, f"{name}.png")
 
 
-def synthetic_criteo(rows: int) -> str:
-    """Synthetic Criteo TSV (Kaggle cardinalities, seed 0), written once into results/."""
-    from deeprec.data import write_synthetic
-
-    path = os.path.join(RESULTS, f"synth-kaggle-{rows}.tsv")
+def _written_once(name: str, write) -> str:
+    """results/<name>, made by write(tmp_path) the first time it is asked for."""
+    path = os.path.join(RESULTS, name)
     if not os.path.exists(path):
         os.makedirs(RESULTS, exist_ok=True)
-        write_synthetic(path + ".tmp", rows, cardinalities="kaggle", seed=0)
+        write(path + ".tmp")
         os.replace(path + ".tmp", path)
     return path
+
+
+def synthetic_criteo(rows: int, cardinalities: str = "kaggle") -> str:
+    """Synthetic Criteo TSV (seed 0), written once into results/."""
+    from deeprec.data import write_synthetic
+
+    return _written_once(f"synth-{cardinalities}-{rows}.tsv",
+                         lambda tmp: write_synthetic(tmp, rows, cardinalities=cardinalities, seed=0))
+
+
+def synthetic_behavior(rows: int) -> str:
+    """Synthetic behaviour logs (seed 0), written once into results/."""
+    from deeprec.data import write_behavior
+
+    return _written_once(f"synth-behavior-{rows}.tsv", lambda tmp: write_behavior(tmp, rows, seed=0))
 
 
 def save_figure(fig, name: str) -> None:

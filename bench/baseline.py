@@ -25,22 +25,12 @@ import time
 import torch
 
 import deeprec as dr
-from _common import RESULTS, save_figure, print_table, save_json, summarize, synthetic_criteo
-from deeprec.data import PRESETS, CriteoReader, CsvReader, write_behavior
+from _common import save_figure, print_table, save_json, summarize, synthetic_behavior, synthetic_criteo
+from deeprec.data import PRESETS, CriteoReader, CsvReader
 from deeprec.models import SCHEMA_MODELS, build_model
 from deeprec.optim import make_optimizer
 
 BATCH = {"dssm": 4096}  # DeepRec's modelzoo batch sizes on CPU; 512 otherwise
-
-
-def synthetic_behavior(rows: int) -> str:
-    import os
-
-    path = os.path.join(RESULTS, f"synth-behavior-{rows}.tsv")
-    if not os.path.exists(path):
-        write_behavior(path + ".tmp", rows, seed=0)
-        os.replace(path + ".tmp", path)
-    return path
 
 
 def timed(fn):

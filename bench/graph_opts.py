@@ -151,16 +151,9 @@ def section_precision(path: str, rounds: int) -> dict:
 
 def section_auc(steps: int) -> dict:
     """Small cardinalities, so that a few hundred steps learn the planted model."""
-    import os
-
-    from _common import RESULTS
-    from deeprec.data import write_synthetic
     from deeprec.trainer import TrainConfig, Trainer
 
-    path = os.path.join(RESULTS, "synth-small-200000.tsv")
-    if not os.path.exists(path):
-        write_synthetic(path + ".tmp", 200_000, cardinalities="small", seed=0)
-        os.replace(path + ".tmp", path)
+    path = synthetic_criteo(200_000, cardinalities="small")
     out = {}
     for name, kw in (("fp32", {}), ("bf16", {"bf16": True}), ("bf16 + compile", {"bf16": True, "compile": True})):
         cfg = TrainConfig(model="dlrm", data=[path], steps=steps, batch_size=512, optimizer="adam", lr=0.003,
