@@ -196,7 +196,7 @@ class Trainer:
                 multi_stream=MultiStreamOptions(cfg.multi_stream, cfg.stream_policy) if cfg.multi_stream > 1 else None,
                 micro_batch_num=cfg.micro_batch, graph_fusion=cfg.compile, bf16=cfg.bf16))
         batch_norm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in self.model.modules())
-        self.train_reader, self.eval_reader = make_readers(cfg, self.schema or cfg.schema, drop_remainder=batch_norm)
+        self.train_reader, self.eval_reader = make_readers(cfg, data_schema, drop_remainder=batch_norm)
         self.step = 0
         self._reader_state = self.train_reader.state_dict()  # position of the last batch trained on
         if cfg.resume:
