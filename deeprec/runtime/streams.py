@@ -32,6 +32,8 @@ class StreamRunner:
     def __init__(self, gm: torch.fx.GraphModule, num_streams: int, device: torch.device):
         self.gm, self.num_streams, self.device = gm, num_streams, device
         self.nodes = [n for n in gm.graph.nodes]
+        self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
+        self.output = next(n for n in self.nodes if n.op == "output")
         self.by_stream: dict[int, list[torch.fx.Node]] = {}
         for node in self.nodes:
             if node.op not in ("placeholder", "output"):
@@ -50,13 +52,20 @@ class StreamRunner:
             return self._run_cuda(args)
         return self._run_threads(args)
 
+    def _interpreter(self, args) -> torch.fx.Interpreter:
+        """An interpreter whose environment holds the arguments."""
+        interp = torch.fx.Interpreter(self.gm, garbage_collect_values=False)
+        for node, value in zip(self.placeholders, args, strict=True):
+            interp.env[node] = value
+        return interp
+
+    def _result(self, interp: torch.fx.Interpreter):
+        return interp.map_nodes_to_values(self.output.args[0], self.output)
+
     # -- CPU: one thread per stream ---------------------------------------------------------
     def _run_threads(self, args):
-        interp = torch.fx.Interpreter(self.gm, garbage_collect_values=False)
+        interp = self._interpreter(args)
         env = interp.env
-        placeholders = [n for n in self.nodes if n.op == "placeholder"]
-        for node, value in zip(placeholders, args, strict=True):
-            env[node] = value
         done = {n: threading.Event() for s in self.by_stream.values() for n in s}
         errors: list[BaseException] = []
         grad_enabled = torch.is_grad_enabled()
@@ -94,18 +103,14 @@ class StreamRunner:
             w.join()
         if errors:
             raise errors[0]
-        output = next(n for n in self.nodes if n.op == "output")
-        return interp.map_nodes_to_values(output.args[0], output)
+        return self._result(interp)
 
     # -- CUDA: one torch.cuda.Stream per id --------------------------------------------------
     def _run_cuda(self, args):
-        interp = torch.fx.Interpreter(self.gm, garbage_collect_values=False)
+        interp = self._interpreter(args)
         env = interp.env
         streams = self._cuda_streams
         events: dict[torch.fx.Node, torch.cuda.Event] = {}
-        placeholders = [n for n in self.nodes if n.op == "placeholder"]
-        for node, value in zip(placeholders, args, strict=True):
-            env[node] = value
         for node in self.nodes:
             if node.op in ("placeholder", "output"):
                 continue
@@ -122,12 +127,11 @@ class StreamRunner:
                 event.record(stream)
                 events[node] = event
         main = streams[0]
-        output = next(n for n in self.nodes if n.op == "output")
-        for source in output.all_input_nodes:
+        for source in self.output.all_input_nodes:
             if source in events:
                 main.wait_event(events[source])
                 _record(env[source], main)
-        return interp.map_nodes_to_values(output.args[0], output)
+        return self._result(interp)
 
 
 def _record(value, stream) -> None:
