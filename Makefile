@@ -8,10 +8,11 @@ STAMP := $(VENV)/.installed
 $(PY):
 	python3 -m venv $(VENV)
 
-$(STAMP): pyproject.toml | $(PY)
+# The C++ extension (deeprec/csrc) builds against the installed torch, hence no build isolation.
+$(STAMP): pyproject.toml setup.py $(wildcard deeprec/csrc/*.cpp) | $(PY)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q torch==2.13.0 'setuptools>=68' wheel ninja
+	$(PY) -m pip install -q --no-build-isolation -e '.[dev]'
 	touch $(STAMP)
 
 setup: $(STAMP)

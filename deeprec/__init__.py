@@ -13,10 +13,11 @@ from deeprec.graph import CaptureError, MultiStreamOptions, colocate_with, mark_
 from deeprec.nn import (CBFFilter, CounterFilter, EmbeddingCollection, EmbeddingVariable, EmbeddingVariableOption,
                         GlobalStepEvict, InitializerOption, L2WeightEvict, fused_safe_embedding_lookup_sparse)
 from deeprec.ops import op
+from deeprec.ragged import Ragged
 from deeprec.runtime import OptimizedModel, make_prefetch_hook, optimize
 
 __version__ = "0.1.0"
-__all__ = ["data", "errors", "models", "nn", "ops", "optim", "op", "CBFFilter", "CounterFilter",
+__all__ = ["Ragged", "data", "errors", "models", "nn", "ops", "optim", "op", "CBFFilter", "CounterFilter",
            "EmbeddingCollection", "EmbeddingVariable", "EmbeddingVariableOption", "GlobalStepEvict",
            "InitializerOption", "L2WeightEvict", "fused_safe_embedding_lookup_sparse", "Config", "SmartStageOptions", "ThreadPoolOptions",
            "ConfigError", "DataError", "DeepRecError", "OutOfRangeError", "CaptureError",

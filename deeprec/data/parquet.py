@@ -19,6 +19,7 @@ from deeprec.data.criteo import CRITEO_SCHEMA
 from deeprec.data.reader import BatchReader, ColumnSpec, resolve_paths
 from deeprec.data.schema import Schema, check_labels
 from deeprec.errors import DataError
+from deeprec.ragged import Ragged
 
 READ_ROWS = 65536
 
@@ -87,13 +88,14 @@ class ParquetReader(BatchReader):
 
 
 def _arrow(value) -> pa.Array:
-    from deeprec.nn.lookup import Ragged
-
     if isinstance(value, Ragged):
-        values = value.values.numpy() if hasattr(value.values, "numpy") else value.values
-        items = pa.array(values) if values.dtype != object else pa.array(values, type=pa.binary())
-        return pa.ListArray.from_arrays(pa.array(value.offsets.numpy(), pa.int32()), items)
-    return pa.array(value.numpy()) if hasattr(value, "numpy") else pa.array(value, type=pa.binary())
+        offsets = pa.array(value.offsets.numpy().astype(np.int32), pa.int32())
+        if value.is_strings:
+            return pa.Array.from_buffers(pa.binary(), value.rows, [None, offsets.buffers()[1],
+                                                                   pa.py_buffer(value.values.numpy())])
+        items = _arrow(value.values) if isinstance(value.values, Ragged) else pa.array(value.values.numpy())
+        return pa.ListArray.from_arrays(offsets, items)
+    return pa.array(value.numpy())
 
 
 def write_parquet(reader: BatchReader, path: str, row_group_rows: int = 100_000) -> int:

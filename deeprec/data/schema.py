@@ -9,10 +9,11 @@
 What each kind becomes in a raw batch (the same conventions as CriteoReader):
     label        float32 [B]; must be 0 or 1, or, with positive_at=x, 1.0 where value >= x
     dense        float32 [B], NaN where missing
-    categorical  dtype "string": numpy object array of bytes (b"" = missing);
+    categorical  dtype "string": deeprec.Ragged of bytes (uint8 values + int64 offsets, Arrow's
+                 binary layout, zero-copy from the parsed Arrow column; b"" = missing);
                  dtype "int": int64 [B] (-1 = missing)
-    sequence     deeprec.nn.Ragged(values, offsets): values int64 (dtype "int") or a numpy
-                 object array of bytes (dtype "string"); row b holds values[offsets[b]:offsets[b+1]];
+    sequence     deeprec.Ragged(values, offsets): values int64 (dtype "int") or a Ragged of bytes
+                 (dtype "string"); row b holds values[offsets[b]:offsets[b+1]];
                  an empty field is an empty row; only the last max_length items are kept
     weight       float32 [B] (sample weights; missing = 1)
     ignore       read past, not returned
@@ -29,6 +30,7 @@ import pyarrow.compute as pc
 import torch
 
 from deeprec.errors import ConfigError, check_choice
+from deeprec.ragged import Ragged
 
 KINDS = ("label", "dense", "categorical", "sequence", "weight", "ignore")
 DTYPES = ("string", "int")
@@ -131,8 +133,6 @@ class Schema:
 
     # -- batches --------------------------------------------------------------------------
     def to_batch(self, table: pa.Table) -> dict:
-        from deeprec.nn.lookup import Ragged
-
         batch = {}
         for c in self.columns:
             if c.kind == "ignore":
@@ -149,10 +149,9 @@ class Schema:
                 arr = pc.fill_null(col, -1).to_numpy()
                 batch[c.name] = torch.from_numpy(np.array(arr, dtype=np.int64))
             elif c.kind == "categorical":
-                batch[c.name] = col.to_numpy()
+                batch[c.name] = Ragged.from_arrow(col)
             else:
-                values, offsets = split_sequence(col, c)
-                batch[c.name] = Ragged(values, offsets)
+                batch[c.name] = split_sequence(col, c)
         return batch
 
 
@@ -177,8 +176,8 @@ def check_labels(schema: Schema, table: pa.Table, reasons: dict) -> object:
     return valid
 
 
-def split_sequence(col, c: Column):
-    """A delimited text column -> (values, offsets [B + 1]); the last max_length items of each row."""
+def split_sequence(col, c: Column) -> Ragged:
+    """A delimited text (or Arrow list) column -> Ragged; the last max_length items of each row."""
     col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
     if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):  # Parquet list columns
         lists = pc.fill_null(col, pa.scalar([], col.type))
@@ -186,28 +185,24 @@ def split_sequence(col, c: Column):
         text = pc.cast(col, pa.string())
         lists = pc.split_pattern(pc.if_else(pc.equal(text, ""), pa.scalar(None, pa.string()), text), c.separator)
         lists = pc.fill_null(lists, pa.scalar([], pa.list_(pa.string())))
-    offsets = np.asarray(lists.offsets.to_numpy(), dtype=np.int64)
-    offsets = offsets - offsets[0]
-    flat = lists.flatten()
-    keep = None
     if c.max_length is not None:
+        offsets = np.asarray(lists.offsets.to_numpy(), dtype=np.int64)
         lengths = np.diff(offsets)
-        kept = np.minimum(lengths, c.max_length)
-        if (kept < lengths).any():
-            row = np.repeat(np.arange(len(lengths)), lengths)
-            position = np.arange(offsets[-1]) - offsets[row]
-            keep = position >= (lengths - kept)[row]
-            offsets = np.concatenate([[0], np.cumsum(kept)])
+        if (lengths > c.max_length).any():  # keep each row's last max_length items
+            starts = offsets[:-1] + np.maximum(lengths - c.max_length, 0) - offsets[0]
+            kept = np.minimum(lengths, c.max_length)
+            items = lists.flatten()
+            take = np.repeat(starts - np.concatenate([[0], np.cumsum(kept)[:-1]]), kept) + np.arange(kept.sum())
+            new_offsets = np.concatenate([[0], np.cumsum(kept)]).astype(np.int32)
+            lists = pa.ListArray.from_arrays(pa.array(new_offsets, pa.int32()), items.take(pa.array(take)))
     if c.dtype == "int":
         try:
-            values = np.array(pc.cast(flat, pa.int64()).to_numpy(), dtype=np.int64)  # writable copy
+            lists = lists.cast(pa.list_(pa.int64()))
         except pa.ArrowInvalid as err:
             raise ConfigError(f"sequence column {c.name!r} is declared dtype='int' but holds {err}") from None
-        values = torch.from_numpy(values[keep] if keep is not None else values)
     else:
-        values = pc.cast(flat, pa.binary()).to_numpy(zero_copy_only=False)
-        values = values[keep] if keep is not None else values
-    return values, torch.from_numpy(offsets)
+        lists = lists.cast(pa.list_(pa.binary()))
+    return Ragged.from_arrow(lists)
 
 
 def schema_to_dict(schema: Schema) -> dict:

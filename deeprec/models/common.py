@@ -33,8 +33,9 @@ def dense_features(batch: dict) -> torch.Tensor:
 
 
 def sparse_ids(batch: dict, sizes: Sequence[int]) -> list[torch.Tensor]:
-    """Each raw categorical column hashed into its bucket range: 26 x [B] int64."""
-    return [ops.string_to_hash_bucket(batch[name], n) for name, n in zip(CRITEO_SPARSE, sizes)]
+    """Each raw categorical column hashed into its bucket range: 26 x [B] int64 (one op for all)."""
+    ids = ops.string_to_hash_bucket([batch[name] for name in CRITEO_SPARSE], list(sizes))
+    return [ids[f] for f in range(len(CRITEO_SPARSE))]  # indexed, so a traced graph sees 26 values
 
 
 EMBEDDINGS = ("table", "variable", "torch")
@@ -72,7 +73,8 @@ def make_sparse_layer(kind: str, sizes: Sequence[int], dim: int, sparse_grad: bo
 def categorical_ids(batch: dict, kind: str, sizes: Sequence[int]) -> list[torch.Tensor]:
     """Hashed ids per feature: bucket ids for tables, 63-bit keys for variables."""
     if kind == "variable":
-        return [ops.string_to_hash_key(batch[name]) for name in CRITEO_SPARSE]
+        keys = ops.string_to_hash_key([batch[name] for name in CRITEO_SPARSE])
+        return [keys[f] for f in range(len(CRITEO_SPARSE))]
     return sparse_ids(batch, sizes)
 
 

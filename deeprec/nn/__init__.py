@@ -1,7 +1,8 @@
 """Sparse embedding layers: EmbeddingVariable (dynamic hash) and the fused EmbeddingCollection."""
 from deeprec.nn.collection import (EmbeddingCollection, EmbeddingFeature, FusedLookup,
                                    fused_safe_embedding_lookup_sparse)
-from deeprec.nn.lookup import Ragged, prepare_bags
+from deeprec.nn.lookup import prepare_bags
+from deeprec.ragged import Ragged
 from deeprec.nn.options import (CBFFilter, CounterFilter, EmbeddingVariableOption, GlobalStepEvict,
                                 InitializerOption, L2WeightEvict)
 from deeprec.nn.variable import EmbeddingVariable, KeyIndex, incremental_state_dict, shard_of

@@ -12,20 +12,15 @@ backward is the true gradient of the unfused formula).
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 
 from deeprec.ops.graph_op import op
+from deeprec.ragged import Ragged
 
 COMBINERS = ("sum", "mean", "sqrtn")
 
-
-class Ragged(NamedTuple):
-    """Multi-valued ids: bag b holds values[offsets[b]:offsets[b + 1]] (len(offsets) = B + 1)."""
-
-    values: torch.Tensor
-    offsets: torch.Tensor
 
 
 def _as_bags(ids) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,7 @@
 """Ops on ragged (multi-valued / sequence) columns, each one fx node.
 
-A ragged column is `deeprec.nn.Ragged(values, offsets)`: row b holds
-values[offsets[b]:offsets[b + 1]]; values are int64 or bytes (numpy object array).
+A ragged column is `deeprec.Ragged(values, offsets)`: row b holds
+values[offsets[b]:offsets[b + 1]]; values are int64 ids or a string column (a Ragged of bytes).
 
     hash_ragged(r, n)        values -> bucket ids in [0, n) (strings hashed, ints taken mod n)
     truncate_ragged(r, L)    keep the last L items of each row (the most recent)
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from deeprec.errors import ConfigError
-from deeprec.nn.lookup import Ragged
+from deeprec.ragged import Ragged
 from deeprec.ops.graph_op import op
 
 
@@ -28,14 +28,14 @@ def _positive(name: str, value) -> None:
 
 
 @op
-def hash_ragged(r, num_buckets: int) -> Ragged:
+def hash_ragged(r, num_buckets: int, hash: str = "siphash") -> Ragged:
     from deeprec.ops import string_to_hash_bucket
 
     r = _check(r)
     _positive("num_buckets", num_buckets)
-    if isinstance(r.values, torch.Tensor):
-        return Ragged(torch.remainder(r.values.long(), num_buckets), r.offsets)
-    return Ragged(string_to_hash_bucket(r.values, num_buckets), r.offsets)
+    if isinstance(r.values, Ragged):  # a sequence of strings
+        return Ragged(string_to_hash_bucket(r.values, num_buckets, hash), r.offsets)
+    return Ragged(torch.remainder(r.values.long(), num_buckets), r.offsets)
 
 
 def _kept(offsets: torch.Tensor, max_length: int):
@@ -52,7 +52,9 @@ def truncate_ragged(r, max_length: int) -> Ragged:
     r = _check(r)
     _positive("max_length", max_length)
     _, kept, _, keep = _kept(r.offsets, max_length)
-    values = r.values[keep] if isinstance(r.values, torch.Tensor) else r.values[keep.numpy()]
+    if isinstance(r.values, Ragged):
+        raise ConfigError("truncate_ragged takes integer ids: hash string values first (hash_ragged)")
+    values = r.values[keep]
     return Ragged(values, torch.cat([torch.zeros(1, dtype=torch.long), kept.cumsum(0)]))
 
 
@@ -62,7 +64,7 @@ def pad_ragged(r, max_length: int, pad_value: int = 0) -> tuple[torch.Tensor, to
     then `pad_value`; mask [B, max_length] is True on real items. Empty rows are all padding."""
     r = _check(r)
     _positive("max_length", max_length)
-    if not isinstance(r.values, torch.Tensor):
+    if isinstance(r.values, Ragged):
         raise ConfigError("pad_ragged takes integer ids: hash string values first (hash_ragged)")
     lengths, kept, row, keep = _kept(r.offsets, max_length)
     batch = len(lengths)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from deeprec.errors import ConfigError
+from deeprec.ragged import Ragged
 
 
 def split_sizes(total: int, n: int) -> list[int]:
@@ -27,36 +28,29 @@ def split_sizes(total: int, n: int) -> list[int]:
     return [base + 1 if k < extra else base for k in range(n)]
 
 
-def _is_ragged(value) -> bool:
-    from deeprec.nn.lookup import Ragged
-
-    return isinstance(value, Ragged)
-
-
 def batch_rows(batch) -> int:
     for value in (batch.values() if isinstance(batch, dict) else batch):
-        if _is_ragged(value):
+        if isinstance(value, Ragged):
             return len(value.offsets) - 1
-        if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim > 0:
+        if isinstance(value, torch.Tensor) and value.ndim > 0:
             return int(value.shape[0])
     raise ConfigError("cannot split the batch: it holds no tensor or array with a batch dimension")
 
 
 def split_batch(batch, n: int) -> list:
-    """`n` micro-batches of a dict (or tuple) of tensors / numpy arrays, split along dim 0."""
+    """`n` micro-batches of a dict (or tuple) of tensors and Raggeds, split along dim 0."""
     total = batch_rows(batch)
     sizes = split_sizes(total, n)
     bounds = np.cumsum([0, *sizes])
 
     def part(value, k):
-        if _is_ragged(value):  # rows [a, b): their values, offsets rebased to 0
+        if isinstance(value, Ragged):  # rows [a, b): their values, offsets rebased to 0
             a, b = int(bounds[k]), int(bounds[k + 1])
             if len(value.offsets) - 1 != total:
                 raise ConfigError(f"cannot split the batch: a sequence column has {len(value.offsets) - 1} rows, "
                                   f"another column {total}")
-            start, end = int(value.offsets[a]), int(value.offsets[b])
-            return type(value)(value.values[start:end], value.offsets[a:b + 1] - start)
-        if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim > 0:
+            return value.slice_rows(a, b)
+        if isinstance(value, torch.Tensor) and value.ndim > 0:
             if value.shape[0] != total:
                 raise ConfigError(f"cannot split the batch: a column has {value.shape[0]} rows, another {total}")
             return value[bounds[k]:bounds[k + 1]]

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from deeprec.errors import ConfigError
+from deeprec.ragged import Ragged
 
 _ALIGN = 64
 
@@ -56,13 +57,12 @@ def encode(value, chunks: list, offset: list) -> dict:
         data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
         return {"k": "tensor", "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                 "off": add(data), "n": len(data)}
+    if isinstance(value, Ragged):  # before tuple: a Ragged is a NamedTuple
+        return {"k": "ragged", "values": encode(value.values, chunks, offset),
+                "offsets": encode(value.offsets, chunks, offset)}
     if isinstance(value, np.ndarray) and value.dtype == object:
-        items = value.ravel().tolist()
-        as_str = bool(items) and isinstance(items[0], str)
-        raw = [s.encode() if as_str else bytes(s) for s in items]
-        lengths = np.fromiter(map(len, raw), dtype=np.int64, count=len(raw))
-        return {"k": "strings", "str": as_str, "shape": list(value.shape),
-                "lengths": add(lengths.tobytes()), "off": add(b"".join(raw)), "count": len(raw)}
+        raise TypeError("a numpy object array cannot cross to the main process: string columns are "
+                        "deeprec.Ragged of bytes (dr.Ragged.from_strings)")
     if isinstance(value, np.ndarray):
         return {"k": "array", "dtype": value.dtype.str, "shape": list(value.shape),
                 "off": add(np.ascontiguousarray(value).tobytes()), "n": value.nbytes}
@@ -82,16 +82,8 @@ def decode(spec: dict, buf: torch.Tensor):
         dtype = getattr(torch, spec["dtype"])
         raw = buf[spec["off"]:spec["off"] + spec["n"]]
         return raw.view(dtype).reshape(spec["shape"]) if spec["n"] else torch.empty(spec["shape"], dtype=dtype)
-    if kind == "strings":
-        count = spec["count"]
-        lengths = buf[spec["lengths"]:spec["lengths"] + 8 * count].view(torch.int64).tolist()
-        data = buf.numpy()
-        out, pos = np.empty(count, dtype=object), spec["off"]
-        for i, n in enumerate(lengths):
-            item = data[pos:pos + n].tobytes()
-            out[i] = item.decode() if spec["str"] else item
-            pos += n
-        return out.reshape(spec["shape"])
+    if kind == "ragged":
+        return Ragged(decode(spec["values"], buf), decode(spec["offsets"], buf))
     if kind == "array":
         dtype = np.dtype(spec["dtype"])
         return buf.numpy()[spec["off"]:spec["off"] + spec["n"]].view(dtype).reshape(spec["shape"]).copy()

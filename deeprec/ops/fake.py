@@ -1,0 +1,32 @@
+"""Fake (meta) kernels of the C++ ops: output shapes and dtypes without data, so
+torch.compile traces through the ops without a graph break and torch.export
+captures them (FakeTensor mode calls these instead of the CPU kernels)."""
+from __future__ import annotations
+
+import torch
+
+
+@torch.library.register_fake("deeprec::string_to_hash_bucket")
+def _(values, offsets, num_buckets, hash):
+    return [o.new_empty(o.shape[0] - 1) for o in offsets]
+
+
+@torch.library.register_fake("deeprec::string_to_hash_key")
+def _(values, offsets, hash):
+    return [o.new_empty(o.shape[0] - 1) for o in offsets]
+
+
+@torch.library.register_fake("deeprec::cross_hash_bucket")
+def _(values, offsets, num_buckets, separator, hash):
+    return offsets[0].new_empty(offsets[0].shape[0] - 1)
+
+
+@torch.library.register_fake("deeprec::bucketize")
+def _(x, boundaries):
+    return x.new_empty(x.shape, dtype=torch.long)
+
+
+@torch.library.register_fake("deeprec::dedup")
+def _(ids):
+    unique = ids.new_empty(torch.library.get_ctx().new_dynamic_size())
+    return unique, ids.new_empty(ids.shape)

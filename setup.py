@@ -1,0 +1,14 @@
+"""Builds deeprec's C++ extension of torch custom ops (deeprec/csrc) at install.
+
+Metadata lives in pyproject.toml. Build with the installed torch:
+`pip install --no-build-isolation -e .` (what `make` runs), so the extension
+links against the very torch it will load into.
+"""
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+setup(
+    ext_modules=[CppExtension("deeprec._C", ["deeprec/csrc/feature_ops.cpp"],
+                              extra_compile_args=["-O3"])],
+    cmdclass={"build_ext": BuildExtension},
+)
