@@ -1,4 +1,5 @@
 """Readers yielding raw batches, dataset schemas and presets, and the synthetic generators."""
+from deeprec.data.collate import collate
 from deeprec.data.criteo import CRITEO_COLUMNS, CRITEO_SCHEMA, DENSE, LABEL, SPARSE, CriteoReader, detect_layout
 from deeprec.data.csv import CsvReader
 from deeprec.data.parquet import ParquetReader, write_parquet
@@ -37,7 +38,7 @@ def open_reader(paths, batch_size: int, schema=None, **kwargs) -> BatchReader:
     return CsvReader(files, schema, batch_size, **kwargs)
 
 
-__all__ = ["BatchReader", "ColumnSpec", "CriteoReader", "CsvReader", "ParquetReader", "ReaderStats", "Column",
+__all__ = ["collate", "BatchReader", "ColumnSpec", "CriteoReader", "CsvReader", "ParquetReader", "ReaderStats", "Column",
            "Schema", "CRITEO_SCHEMA", "PRESETS", "detect_preset", "schema_for", "load_schema", "schema_from_dict",
            "schema_to_dict", "resolve_schema", "write_behavior",
            "CRITEO_COLUMNS", "LABEL", "DENSE", "SPARSE", "KAGGLE_CARDINALITIES",

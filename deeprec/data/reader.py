@@ -16,6 +16,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
+import torch.utils.data
 
 from deeprec.errors import ConfigError, DataError, check_choice
 
@@ -53,8 +54,15 @@ class ColumnSpec:
                        *(Column(n, "categorical") for n in self.strings)))
 
 
-class BatchReader:
-    """Base class; see `CriteoReader` and `ParquetReader`."""
+class BatchReader(torch.utils.data.IterableDataset):
+    """Base class; see `CriteoReader` and `ParquetReader`.
+
+    Also a torch `IterableDataset`: `DataLoader(reader, batch_size=None, num_workers=k)`
+    reads in k worker processes, each taking every k-th unit of this reader's shards
+    (every row still read exactly once); `deeprec.data.collate` merges batches when a
+    DataLoader groups several (batch_size=n). A DataLoader's workers hold their own
+    reader copies, so resume positions (`state_dict`) are tracked only without one.
+    """
 
     def __init__(self, paths, batch_size: int, columns, *, shuffle_buffer: int = 0,
                  seed: int = 0, num_epochs: int | None = 1, shard_index: int = 0,
@@ -96,7 +104,11 @@ class BatchReader:
 
     def _shard_units(self) -> list:
         """The units of this reader's shards: unit i belongs to shard i % num_shards."""
-        return [u for i, u in enumerate(self._all_units()) if i % self.num_shards in self.shards]
+        units = [u for i, u in enumerate(self._all_units()) if i % self.num_shards in self.shards]
+        worker = torch.utils.data.get_worker_info()
+        if worker is not None and worker.num_workers > 1:  # inside a DataLoader: split among its workers
+            units = units[worker.id::worker.num_workers]
+        return units
 
     def _read_unit(self, unit) -> Iterator[pa.Table]:
         """Valid rows of one unit as tables with columns `self.columns.names`."""
