@@ -1,5 +1,6 @@
 """EmbeddingCollection (fused lookup) and EmbeddingVariable."""
 import copy
+from typing import Sequence
 import threading
 
 import pytest
@@ -7,8 +8,9 @@ import torch
 
 from deeprec import optim
 from deeprec.errors import ConfigError
+from deeprec.nn.lookup import COMBINERS
 from deeprec.nn import (CBFFilter, CounterFilter, EmbeddingCollection, EmbeddingFeature, EmbeddingVariable,
-                        EmbeddingVariableOption, GlobalStepEvict, InitializerOption, L2WeightEvict, Ragged, shard_of)
+                        EmbeddingVariableOption, GlobalStepEvict, InitializerOption, L2WeightEvict, Ragged, prepare_bags, shard_of)
 
 
 def reference_pool(table, ids, combiner, fill_id=None, max_norm=None):
@@ -281,3 +283,91 @@ def test_flush_denormal_is_available():
         assert (torch.tensor([1e-39]) * 1.0).item() == 0.0
     finally:
         torch.set_flush_denormal(False)
+
+
+# The torch-op composition that the native prepare_bags replaced (deeprec <= 0.1), kept as its reference.
+def _as_bags(ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat values, lengths) of [B] ids, [B, L] padded ids, or a Ragged."""
+    if (isinstance(ids, tuple) and len(ids) == 2):
+        values, offsets = ids
+        return values.reshape(-1).long(), (offsets[1:] - offsets[:-1]).long()
+    ids = torch.as_tensor(ids)
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(1)
+    if ids.dim() != 2:
+        raise ValueError(f"ids must be [B], [B, L] or Ragged(values, offsets), got shape {tuple(ids.shape)}")
+    return ids.reshape(-1).long(), torch.full((ids.shape[0],), ids.shape[1], dtype=torch.long)
+
+
+def reference_prepare_bags(ids: Sequence, combiners: Sequence[str], fill_ids: Sequence):
+    """Prune negative ids, fill empty bags, dedup per feature, and lay out all
+    F x B bags (feature-major) for one bag reduction.
+
+    Returns (unique keys per feature, global inverse, offsets [F*B + 1], per-sample weights,
+    occurrences of each unique key per feature).
+    """
+    uniques, inverses, lengths_all, weights, counts = [], [], [], [], []
+    base = 0
+    batch = None
+    for f, (feature_ids, combiner, fill) in enumerate(zip(ids, combiners, fill_ids)):
+        values, lengths = _as_bags(feature_ids)
+        if batch is None:
+            batch = lengths.numel()
+        elif lengths.numel() != batch:
+            raise ValueError(f"feature {f} has {lengths.numel()} rows, feature 0 has {batch}")
+        bag_of = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+        keep = values >= 0  # prune invalid ids
+        values, bag_of = values[keep], bag_of[keep]
+        lengths = torch.bincount(bag_of, minlength=lengths.numel())
+        if fill is not None:  # an empty bag looks up the default id instead of yielding zeros
+            empty = torch.nonzero(lengths == 0).squeeze(1)
+            if empty.numel():
+                values = torch.cat([values, torch.full((empty.numel(),), int(fill), dtype=values.dtype)])
+                bag_of = torch.cat([bag_of, empty])
+                order = torch.argsort(bag_of, stable=True)
+                values, bag_of = values[order], bag_of[order]
+                lengths = torch.bincount(bag_of, minlength=lengths.numel())
+        unique, inverse, count = torch.unique(values, return_inverse=True, return_counts=True)
+        uniques.append(unique)
+        counts.append(count)
+        inverses.append(inverse + base)
+        base += unique.numel()
+        lengths_all.append(lengths)
+        n = lengths.clamp_min(1).to(torch.float32)[bag_of]
+        if combiner == "sum":
+            weights.append(torch.ones_like(n))
+        elif combiner == "mean":
+            weights.append(1.0 / n)
+        elif combiner == "sqrtn":
+            weights.append(n.rsqrt())
+        else:
+            raise ValueError(f"combiner={combiner!r} is not allowed; choose one of {COMBINERS}")
+    lengths = torch.cat(lengths_all)
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.long)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    return tuple(uniques), torch.cat(inverses), offsets, torch.cat(weights), tuple(counts)
+
+
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_native_prepare_bags_equals_the_torch_composition(seed):
+    g = torch.Generator().manual_seed(seed)
+    batch = 37
+    lengths = torch.randint(0, 4, (batch,), generator=g)
+    ragged = Ragged(torch.randint(-3, 20, (int(lengths.sum()),), generator=g), torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]))
+    features = [torch.randint(-2, 50, (batch,), generator=g), torch.randint(0, 9, (batch, 3), generator=g), ragged, ragged,
+                torch.full((batch,), -1)]
+    combiners = ["sum", "mean", "sqrtn", "mean", "sum"]
+    fills = [None, 0, 7, None, 3]
+    got = prepare_bags(features, combiners, fills)
+    want = reference_prepare_bags(features, combiners, fills)
+    for a, b in zip(got, want):
+        if isinstance(a, tuple):
+            assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+        else:
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    with pytest.raises(ValueError, match="feature 1 has 3 rows, feature 0 has 37"):
+        prepare_bags([features[0], torch.zeros(3, dtype=torch.long)], ["sum", "sum"], [None, None])
+    with pytest.raises(ValueError, match="combiner='max' is not allowed"):
+        prepare_bags(features[:1], ["max"], [None])

@@ -23,67 +23,46 @@ COMBINERS = ("sum", "mean", "sqrtn")
 
 
 
-def _as_bags(ids) -> tuple[torch.Tensor, torch.Tensor]:
-    """(flat values, lengths) of [B] ids, [B, L] padded ids, or a Ragged."""
-    if isinstance(ids, Ragged) or (isinstance(ids, tuple) and len(ids) == 2):
+_COMBINER_CODES = {name: code for code, name in enumerate(COMBINERS)}  # as deeprec/csrc/bags.cpp numbers them
+_NO_OFFSETS = torch.empty(0, dtype=torch.long)
+
+
+def _as_ids(ids) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(flat int64 ids, offsets or empty for a fixed width, rows) of [B] ids, [B, L] ids, or a Ragged."""
+    if isinstance(ids, tuple) and len(ids) == 2:
         values, offsets = ids
-        return values.reshape(-1).long(), (offsets[1:] - offsets[:-1]).long()
+        return values.reshape(-1).long().cpu(), offsets.long().cpu(), offsets.numel() - 1
     ids = torch.as_tensor(ids)
-    if ids.dim() == 1:
-        ids = ids.unsqueeze(1)
-    if ids.dim() != 2:
+    if ids.dim() not in (1, 2):
         raise ValueError(f"ids must be [B], [B, L] or Ragged(values, offsets), got shape {tuple(ids.shape)}")
-    return ids.reshape(-1).long(), torch.full((ids.shape[0],), ids.shape[1], dtype=torch.long)
+    return ids.reshape(-1).long().cpu(), _NO_OFFSETS, ids.shape[0]
 
 
 @op
 def prepare_bags(ids: Sequence, combiners: Sequence[str], fill_ids: Sequence):
     """Prune negative ids, fill empty bags, dedup per feature, and lay out all
-    F x B bags (feature-major) for one bag reduction.
+    F x B bags (feature-major) for one bag reduction: one native op for every feature
+    (`torch.ops.deeprec.prepare_bags`, deeprec/csrc/bags.cpp; it runs without the GIL).
 
-    Returns (unique keys per feature, global inverse, offsets [F*B + 1], per-sample weights,
-    occurrences of each unique key per feature).
+    Returns (unique keys per feature, global inverse, offsets [F*B + 1], per-id weights,
+    occurrences of each unique key per feature), on the ids' device.
     """
-    uniques, inverses, lengths_all, weights, counts = [], [], [], [], []
-    base = 0
-    batch = None
-    for f, (feature_ids, combiner, fill) in enumerate(zip(ids, combiners, fill_ids)):
-        values, lengths = _as_bags(feature_ids)
-        if batch is None:
-            batch = lengths.numel()
-        elif lengths.numel() != batch:
-            raise ValueError(f"feature {f} has {lengths.numel()} rows, feature 0 has {batch}")
-        bag_of = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-        keep = values >= 0  # prune invalid ids
-        values, bag_of = values[keep], bag_of[keep]
-        lengths = torch.bincount(bag_of, minlength=lengths.numel())
-        if fill is not None:  # an empty bag looks up the default id instead of yielding zeros
-            empty = torch.nonzero(lengths == 0).squeeze(1)
-            if empty.numel():
-                values = torch.cat([values, torch.full((empty.numel(),), int(fill), dtype=values.dtype)])
-                bag_of = torch.cat([bag_of, empty])
-                order = torch.argsort(bag_of, stable=True)
-                values, bag_of = values[order], bag_of[order]
-                lengths = torch.bincount(bag_of, minlength=lengths.numel())
-        unique, inverse, count = torch.unique(values, return_inverse=True, return_counts=True)
-        uniques.append(unique)
-        counts.append(count)
-        inverses.append(inverse + base)
-        base += unique.numel()
-        lengths_all.append(lengths)
-        n = lengths.clamp_min(1).to(torch.float32)[bag_of]
-        if combiner == "sum":
-            weights.append(torch.ones_like(n))
-        elif combiner == "mean":
-            weights.append(1.0 / n)
-        elif combiner == "sqrtn":
-            weights.append(n.rsqrt())
-        else:
+    for combiner in combiners:
+        if combiner not in _COMBINER_CODES:
             raise ValueError(f"combiner={combiner!r} is not allowed; choose one of {COMBINERS}")
-    lengths = torch.cat(lengths_all)
-    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.long)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    return tuple(uniques), torch.cat(inverses), offsets, torch.cat(weights), tuple(counts)
+    parts = [_as_ids(f) for f in ids]
+    batch = parts[0][2]
+    for f, part in enumerate(parts):
+        if part[2] != batch:
+            raise ValueError(f"feature {f} has {part[2]} rows, feature 0 has {batch}")
+    uniques, inverse, offsets, weights, counts = torch.ops.deeprec.prepare_bags(
+        [p[0] for p in parts], [p[1] for p in parts], batch, [_COMBINER_CODES[c] for c in combiners],
+        [0 if fill is None else int(fill) for fill in fill_ids], [fill is not None for fill in fill_ids])
+    device = (ids[0][0] if isinstance(ids[0], tuple) else torch.as_tensor(ids[0])).device
+    if device.type != "cpu":  # computed on a host copy (the stage runs on CPU by design)
+        uniques, counts = [u.to(device) for u in uniques], [c.to(device) for c in counts]
+        inverse, offsets, weights = inverse.to(device), offsets.to(device), weights.to(device)
+    return tuple(uniques), inverse, offsets, weights, tuple(counts)
 
 
 class RowGather(torch.autograd.Function):
