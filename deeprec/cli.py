@@ -101,6 +101,8 @@ def cmd_train(args, console: Console) -> int:
     table.add_row("steps", str(result["steps"]))
     table.add_row("samples/s", f"{result['samples_per_s']:,.0f}")
     table.add_row("final train loss", f"{result['final_loss']:.4f}")
+    if "auto" in result:
+        table.add_row("smart stage auto", result["auto"])
     if "stage" in result:
         st = result["stage"]
         table.add_row("smart stage", f"{st['taken']} batches staged ahead, {st['dropped']} dropped, "
@@ -213,8 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--smart-stage", action="store_true", help="run the data-side subgraph ahead in background")
     tr.add_argument("--capacity", type=int, default=1, help="SmartStage: batches buffered ahead")
     tr.add_argument("--stage-threads", type=int, default=1, help="SmartStage: runner threads")
-    tr.add_argument("--stage-executor", choices=("thread", "process"), default="thread",
-                    help="SmartStage: run the stage in threads, or in a worker process (no GIL sharing)")
+    tr.add_argument("--stage-executor", choices=("auto", "thread", "process"), default="auto",
+                    help="SmartStage: auto (measure the first batches, then pick off, thread or process and the "
+                         "step's threads), threads, or a worker process (no GIL sharing)")
     tr.set_defaults(func=cmd_train)
 
     tr.add_argument("--protocol", choices=("grpc", "star_server", "star_server_lite"), default="star_server",

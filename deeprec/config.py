@@ -25,6 +25,9 @@ def _exception_types(owner: str, name: str, value) -> tuple:
     return types
 
 
+EXECUTORS = ("thread", "process", "auto")
+
+
 @dataclass
 class SmartStageOptions:
     """How the staged subgraph runs ahead of the training step (seed defaults).
@@ -36,7 +39,9 @@ class SmartStageOptions:
     ignored_exception_types skip that batch. deeprec extensions: `ordered=False`
     lets results of several runner threads arrive in completion order;
     `executor="process"` runs the reader and the stage in one worker process,
-    so Python-level preprocessing (which holds the GIL) overlaps the step.
+    so Python-level preprocessing (which holds the GIL) overlaps the step;
+    `executor="auto"` measures the stage and the step over the first batches and
+    picks off, thread or process and the step's intra-op threads (deeprec.runtime.auto_stage).
     """
 
     capacity: int = 1
@@ -59,7 +64,7 @@ class SmartStageOptions:
                                                        self.closed_exception_types)
         self.ignored_exception_types = _exception_types("SmartStageOptions", "ignored_exception_types",
                                                         self.ignored_exception_types)
-        check_choice("SmartStageOptions.executor", self.executor, ("thread", "process"))
+        check_choice("SmartStageOptions.executor", self.executor, EXECUTORS)
         if self.executor == "process" and (self.num_threads != 1 or self.use_stage_subgraph_thread_pool):
             raise ConfigError("SmartStageOptions(executor='process') runs one worker process: it needs "
                               "num_threads=1 and use_stage_subgraph_thread_pool=False")

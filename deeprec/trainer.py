@@ -61,7 +61,7 @@ class TrainConfig:
     smart_stage: bool = False  # pipeline the data-side subgraph (deeprec.optimize)
     capacity: int = 1  # SmartStageOptions.capacity
     stage_threads: int = 1  # SmartStageOptions.num_threads
-    stage_executor: str = "thread"  # SmartStageOptions.executor: "thread" | "process"
+    stage_executor: str = "auto"  # SmartStageOptions.executor: "auto" | "thread" | "process"
     main_threads: int | None = None  # intra-op threads of the step while staging (None: cores - stage)
     embedding: str | None = None  # table | variable | torch (None: the model's default)
     flush_denormal: bool = True  # tiny embedding weights turn denormal and slow CPU math ~2x
@@ -302,6 +302,9 @@ class Trainer:
                   "bad_rows": self.train_reader.stats.bad_rows}
         if self.fast is not None and self.fast.prefetch_stats is not None:
             result["stage"] = asdict(self.fast.prefetch_stats)
+        if self.fast is not None and self.fast.auto_decision is not None:
+            result["auto"] = self.fast.auto_decision.summary()
+            result["auto_executor"] = self.fast.auto_decision.executor
         if self.eval_reader is not None and cfg.is_chief:
             if self.ps is not None:
                 self.ps.pull_dense()

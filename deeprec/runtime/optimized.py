@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 import os
 from collections import Counter
@@ -24,6 +25,7 @@ from deeprec.graph.capture import capture
 from deeprec.graph.markers import staged
 from deeprec.graph.smart_stage import StagePartition, smart_stage_pass
 from deeprec.graph.streams import stream_summary
+from deeprec.runtime.auto_stage import run_auto
 from deeprec.runtime.main_step import MainStep
 from deeprec.runtime.micro_batch import (MicroBatchSource, batch_rows, combine_outputs, deferred_lookups,
                                          split_batch)
@@ -59,6 +61,7 @@ class OptimizedModel(nn.Module):
             self.main_step = MainStep(self.partition.main if self.staged else self.graph_module, config, self.device)
         self.last_source_state = None  # reader position after the last batch iterate() trained on
         self.prefetch_stats = None
+        self.auto_decision = None  # SmartStageOptions(executor="auto"): what it picked and why
     @property
     def staged(self) -> bool:
         return self.partition is not None and self.partition.stage is not None
@@ -128,6 +131,12 @@ class OptimizedModel(nn.Module):
                 self.last_source_state = reader.state_dict() if hasattr(reader, "state_dict") else None
                 yield out
             return
+        if self.config.smart_stage_options.executor == "auto" and n == 1 and not self.async_lookups:
+            step = (lambda item: self._accumulate([item], [1])) if backward else self
+            for out, state in run_auto(self, reader, step, before_step):
+                self.last_source_state = state
+                yield out
+            return
         source = MicroBatchSource(reader, n) if n > 1 else reader
         with make_prefetch_hook(self, source) as batches:
             self.prefetch_stats = batches.stats
@@ -155,23 +164,27 @@ class PrefetchHook:
     `with` block lasts; iterating yields `StagedBatch`es for `fast(...)`.
     Every thread is joined on exit, whatever ends the block."""
 
-    def __init__(self, fast: OptimizedModel, reader):
+    def __init__(self, fast: OptimizedModel, reader, options=None, main_threads: int | None = None):
         if not fast.staged:
             raise ValueError("make_prefetch_hook needs a model with a stage: use "
                              "dr.Config(smart_stage=True) or dr.staged(...) in forward")
         self.fast, self.reader = fast, reader
+        self.options = options or fast.config.smart_stage_options
+        if self.options.executor == "auto":  # a hand-written loop runs the stage ahead in a thread
+            self.options = dataclasses.replace(self.options, executor="thread")
+        self.main_threads = main_threads
         self.runner: PrefetchRunner | None = None
         self._saved_threads = None
 
     def __enter__(self) -> "PrefetchHook":
         cfg = self.fast.config
-        opts = cfg.smart_stage_options
+        opts = self.options
         pool = cfg.stage_pool()
         transfer = None
         if self.fast.device.type == "cuda" and cfg.stage_subgraph_on_cpu:
             transfer = PackedCopier(self.fast.device, opts.stage_subgraph_stream_id)
         stage_threads = pool.num_threads * pool.intra_op_threads if pool else opts.num_threads
-        main_threads = cfg.main_threads or max(1, (os.cpu_count() or 1) - stage_threads)
+        main_threads = self.main_threads or cfg.main_threads or max(1, (os.cpu_count() or 1) - stage_threads)
         self._saved_threads = torch.get_num_threads()
         torch.set_num_threads(main_threads)  # background + intra-op <= cores
         after_stage = _start_pulls(self.fast.async_lookups) if self.fast.async_lookups else None
@@ -262,6 +275,11 @@ def explain(fast: OptimizedModel) -> str:
 
     lines.append(f"cut ({len(part.cut)} values passed from stage to main): "
                  + ", ".join(value_name(n) for n in part.cut))
+    if fast.config.smart_stage_options.executor == "auto":
+        decided = fast.auto_decision
+        lines.append(decided.summary() if decided is not None and decided.executor != "pending" else
+                     "executor auto: iterate() measures the stage and the step over the first batches, then "
+                     "picks off, thread or process and the step's intra-op threads")
     if fast.config.async_embedding:
         lines.append(f"async embedding: {len(fast.async_lookups)} lookup(s) pull their rows from the parameter "
                      "servers in the prefetch, right after their keys are staged")

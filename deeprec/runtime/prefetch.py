@@ -220,6 +220,15 @@ class PrefetchRunner:
         self._cond.notify_all()
         return self._errors.pop(seq)
 
+    def drain(self) -> None:
+        """Stop pulling from the source: batches already pulled are still staged and handed
+        out, then take() ends with StopIteration (nothing pulled is lost). SmartStage's
+        `auto` uses it to switch executors mid-stream."""
+        with self._cond:
+            self._exhausted = True
+            self._end_seq = min(self._end_seq, self._next_seq)
+            self._cond.notify_all()
+
     def client_finished(self) -> None:
         """A consumer is done; with all `num_clients` done the runner stops."""
         with self._cond:
