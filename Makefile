@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench setup clean
+.PHONY: run test bench bench-tf-venv setup clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -25,7 +25,13 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/ops_hash.py
+	$(PY) bench/e2e.py
 	$(PY) bench/baseline.py
 
+# TensorFlow 2.21 for bench/e2e.py's tf.data + Keras peer, in its own venv (optional; big download)
+bench-tf-venv:
+	python3 -m venv .venv-tf
+	.venv-tf/bin/python -m pip install -q tensorflow-cpu==2.21.0
+
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) .venv-tf *.egg-info build deeprec/*.so

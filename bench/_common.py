@@ -15,9 +15,21 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def machine() -> dict:
+    from deeprec.runtime.hardware import cpu_info
+
+    info = cpu_info()
+    simd = sorted(f for f in info["flags"] if f.startswith(("avx512", "amx")) or f in ("avx2", "fma"))
     return {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "processor": platform.processor() or platform.machine(),
+            "torch_threads": torch.get_num_threads(), "cpu_model": info["model"],
+            "torch_cpu_capability": info["torch_capability"], "cpu_simd_flags": simd,
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def cpu_line() -> str:
+    """One line naming this machine's CPU, for table titles."""
+    m = machine()
+    bf16 = "bf16" if any("bf16" in f for f in m["cpu_simd_flags"]) else "no bf16"
+    return f"{m['cpu_model']}, {m['cpus']} cores, torch {m['torch_cpu_capability']}, {bf16}"
 
 
 def summarize(samples: list[float]) -> dict:

@@ -110,7 +110,9 @@ class Config:
     micro_batch_num: split each batch into N micro-batches along dim 0; their
         gradients are accumulated (weighted by size) into one optimizer step.
     graph_fusion: compile the step with torch.compile (eager, with one warning, if it fails).
-    bf16: run the step under torch.autocast(bfloat16); weights stay fp32.
+    bf16: run the step under torch.autocast(bfloat16); weights stay fp32. "auto": only
+        where the hardware has fast bf16 (CUDA, or a CPU with AMX / AVX512-BF16); elsewhere
+        fp32, and explain() says why.
     tf32: allow TF32 matmuls and convolutions on GPU.
     """
 
@@ -123,7 +125,7 @@ class Config:
     multi_stream: MultiStreamOptions | None = None
     micro_batch_num: int = 1
     graph_fusion: bool = False
-    bf16: bool = False
+    bf16: bool | str = False
     tf32: bool = False
 
     def __post_init__(self):
@@ -152,6 +154,8 @@ class Config:
         if self.graph_fusion and self.multi_stream is not None and self.multi_stream.policy != "none":
             raise ConfigError("graph_fusion=True compiles the step into one program; it cannot also be split "
                               "over streams: use one of graph_fusion and multi_stream")
+        if self.bf16 not in (True, False, "auto"):
+            raise ConfigError(f"Config.bf16 must be True, False or 'auto', got {self.bf16!r}")
         if self.async_embedding and not self.smart_stage:
             raise ConfigError("Config.async_embedding=True pulls rows in the SmartStage prefetch: "
                               "it needs smart_stage=True")

@@ -75,11 +75,16 @@ def test_train_with_smart_stage_and_explain(sample, tmp_path, capsys):
     out_plain, out_staged = tmp_path / "a.json", tmp_path / "b.json"
     base = ["train", "--model", "wdl", "--data", sample, "--steps", "12", "--batch-size", "16"]
     assert main(base + ["--json", str(out_plain)]) == 0
-    assert main(base + ["--smart-stage", "--capacity", "3", "--stage-threads", "2", "--json", str(out_staged)]) == 0
+    assert main(base + ["--smart-stage", "--stage-executor", "thread", "--capacity", "3", "--stage-threads", "2",
+                        "--json", str(out_staged)]) == 0
     plain, staged = json.loads(out_plain.read_text()), json.loads(out_staged.read_text())
     assert staged["stage"]["taken"] == 12
     # the step may run on fewer intra-op threads while staging: equal up to float rounding
     assert staged["final_loss"] == pytest.approx(plain["final_loss"], rel=1e-5)
+    auto = tmp_path / "auto.json"  # --smart-stage alone: executor auto, and the run says what it picked
+    assert main(base[:-4] + ["--steps", "30", "--batch-size", "16", "--smart-stage", "--json", str(auto)]) == 0
+    picked = json.loads(auto.read_text())
+    assert picked["auto_executor"] in ("off", "thread", "process") and "SmartStage auto picked" in picked["auto"]
     capsys.readouterr()
     assert main(["explain", "--model", "dlrm"]) == 0
     text = capsys.readouterr().out

@@ -117,7 +117,7 @@ def test_smart_stage_trains_to_the_same_state(tmp_path, unique_tsv, small_model)
     threads = torch.get_num_threads()
     plain = Trainer(_cfg(unique_tsv, tmp_path / "plain", small_model, steps=30))
     staged = Trainer(_cfg(unique_tsv, tmp_path / "staged", small_model, steps=30, smart_stage=True,
-                          capacity=4, stage_threads=2, main_threads=threads))
+                          capacity=4, stage_threads=2, main_threads=threads, stage_executor="thread"))
     a, b = plain.train(), staged.train()
     assert a["final_loss"] == b["final_loss"] and b["stage"]["taken"] == 30 and b["stage"]["dropped"] == 0
     _assert_same_state(plain, staged)
@@ -127,7 +127,8 @@ def test_smart_stage_checkpoint_holds_the_consumed_position(tmp_path, unique_tsv
     # the stage reads ahead of the step; the checkpoint must record what was trained on
     full = Trainer(_cfg(unique_tsv, tmp_path / "full", small_model, steps=50))
     full.train()
-    staged_kw = dict(smart_stage=True, capacity=6, stage_threads=2, main_threads=torch.get_num_threads())
+    staged_kw = dict(smart_stage=True, capacity=6, stage_threads=2, main_threads=torch.get_num_threads(),
+                     stage_executor="thread")
     Trainer(_cfg(unique_tsv, tmp_path / "split", small_model, steps=21, **staged_kw)).train()
     state = load_checkpoint(latest_checkpoint(str(tmp_path / "split")))
     assert state["reader"]["epoch"] == 0 and state["reader"]["batches"] == 21

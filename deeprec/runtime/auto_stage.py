@@ -24,6 +24,9 @@ import torch
 
 W, T = 8, 12  # batches per inline phase and per trial; the first few of each are warm-up
 WARM = 2
+TRY_BELOW = 0.95  # try the thread executor where predicted below this share of off's time
+KEEP_BELOW = 0.97  # keep a tried executor where measured below this share of the best so far
+GIL_EXCESS = 1.15  # the thread measured this far above its prediction: try the process executor
 
 
 @dataclass
@@ -64,11 +67,13 @@ def run_auto(fast, reader, step, before_step=None):
     cores = torch.get_num_threads()
     fewer = fast.config.main_threads or max(1, cores - 1)
     saved_threads = cores
+    phase = {"name": "calibration", "mode": "off", "threads": cores}  # where a run that stops early ended
     iterator = iter(reader)
     stage_s, step_all, step_fewer = [], [], []
 
     def inline(count: int, threads: int, steps: list):
         torch.set_num_threads(threads)
+        phase.update(mode="off", threads=threads)
         for _ in range(count):
             t0 = time.perf_counter()
             try:
@@ -89,6 +94,7 @@ def run_auto(fast, reader, step, before_step=None):
         """Batches through a prefetch runner; after `limit` batches the runner is drained."""
         options = copy.copy(fast.config.smart_stage_options)
         options.executor = executor
+        phase.update(name=f"{executor} trial" if limit is not None else phase["name"], mode=executor, threads=threads)
         last_state = None
         with PrefetchHook(fast, source, options=options, main_threads=threads) as hook:
             fast.prefetch_stats = hook.stats
@@ -118,13 +124,13 @@ def run_auto(fast, reader, step, before_step=None):
         off, predicted = s + m_all, max(s, m_fewer)
         decision.ms = {"stage": s, "step_all": m_all, "step_fewer": m_fewer, "off": off}
         choice, threads = "off", cores
-        if predicted < 0.95 * off:
+        if predicted < TRY_BELOW * off:
             walls: list[float] = []
             yield from staged(_Continue(reader, iterator), "thread", fewer, T, walls)
             decision.ms["thread"] = measured = _median_ms(walls)
-            if measured < 0.97 * off:
+            if measured < KEEP_BELOW * off:
                 choice, threads = "thread", fewer
-            if measured > 1.15 * predicted and hasattr(reader, "load_state_dict") and \
+            if measured > GIL_EXCESS * predicted and hasattr(reader, "load_state_dict") and \
                     hasattr(reader, "state_dict"):
                 walls = []
                 last = yield from staged(reader, "process", fewer, T, walls)
@@ -132,7 +138,7 @@ def run_auto(fast, reader, step, before_step=None):
                 if last is not None:
                     reader.load_state_dict(last)  # the worker read ahead: resume after the last batch trained on
                 iterator = iter(reader)
-                if process < 0.97 * min(off, measured):
+                if process < KEEP_BELOW * min(off, measured):
                     choice = "process"
         decision.executor, decision.main_threads = choice, threads
         decision.reason = {
@@ -142,6 +148,7 @@ def run_auto(fast, reader, step, before_step=None):
             "thread": "the stage overlaps the step in a thread (its ops release the GIL)",
             "process": "the stage holds the GIL: a worker process overlaps it with the step",
         }[choice]
+        phase["name"] = "run"
         if choice == "off":
             yield from inline(1 << 62, cores, [])
         else:
@@ -149,3 +156,6 @@ def run_auto(fast, reader, step, before_step=None):
             yield from staged(source, choice, threads, None, [])
     finally:
         torch.set_num_threads(saved_threads)
+        if decision.executor == "pending":  # the loop stopped before auto decided
+            decision.executor, decision.main_threads = phase["mode"], phase["threads"]
+            decision.reason = f"the run ended during the {phase['name']}, before a choice (ran {phase['mode']})"

@@ -26,6 +26,7 @@ from deeprec.graph.markers import staged
 from deeprec.graph.smart_stage import StagePartition, smart_stage_pass
 from deeprec.graph.streams import stream_summary
 from deeprec.runtime.auto_stage import run_auto
+from deeprec.runtime.hardware import fast_bf16
 from deeprec.runtime.main_step import MainStep
 from deeprec.runtime.micro_batch import (MicroBatchSource, batch_rows, combine_outputs, deferred_lookups,
                                          split_batch)
@@ -45,13 +46,18 @@ class OptimizedModel(nn.Module):
     def __init__(self, model: nn.Module, config: Config | None = None):
         super().__init__()
         self.model = model
-        self.config = config = config or Config()
+        config = config or Config()
+        self.device = _device_of(model)
+        self.bf16_note = None
+        if config.bf16 == "auto":  # resolved once, by the hardware the step runs on
+            enabled, self.bf16_note = fast_bf16(self.device)
+            config = dataclasses.replace(config, bf16=enabled)
+        self.config = config
         self.graph_module = capture(model)
         has_marker = any(n.op == "call_function" and n.target is staged for n in self.graph_module.graph.nodes)
         self.partition: StagePartition | None = None
         if config.smart_stage or has_marker:
             self.partition = smart_stage_pass(self.graph_module, smart_stage=config.smart_stage)
-        self.device = _device_of(model)
         self.async_lookups: list[tuple[nn.Module, int]] = []  # (FusedLookup, index of its keys in the cut)
         if config.async_embedding:
             self.async_lookups = _async_lookups(self.graph_module, self.partition)
@@ -305,6 +311,8 @@ def _explain_step(fast: OptimizedModel) -> list[str]:
         lines.append("graph fusion: torch.compile of the step" + (f" (fell back to eager: {failed})" if failed else ""))
     if cfg.bf16:
         lines.append("bf16: the step runs under torch.autocast(bfloat16); weights and optimizer state stay fp32")
+    if fast.bf16_note:
+        lines.append(f"bf16 auto: {'on' if cfg.bf16 else 'off'}: {fast.bf16_note}")
     if not lines and fast.partition is None:
         lines.append("no other pass: the model runs as written.")
     return lines

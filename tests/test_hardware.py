@@ -1,0 +1,40 @@
+"""bf16="auto" follows the hardware: on where bf16 is native, fp32 with a reason elsewhere."""
+import pytest
+import torch
+
+import deeprec as dr
+from deeprec.models import build_model
+from deeprec.runtime import hardware
+
+
+def _pretend(monkeypatch, flags, capability="AVX2"):
+    monkeypatch.setattr(hardware, "cpu_info", lambda: {"model": "Test CPU", "flags": set(flags),
+                                                      "torch_capability": capability})
+
+
+@pytest.mark.parametrize("flags,capability,expected", [
+    ({"avx2", "fma"}, "AVX2", False),
+    ({"avx512f", "avx512_bf16"}, "AVX512", True),
+    ({"avx512f", "amx_bf16", "amx_tile"}, "AVX512", True),
+    ({"avx512f"}, "AVX512", False),
+])
+def test_bf16_auto_follows_the_cpu(monkeypatch, flags, capability, expected):
+    _pretend(monkeypatch, flags, capability)
+    fast = dr.optimize(build_model("dlrm", hash_buckets=100), dr.Config(bf16="auto"))
+    assert fast.config.bf16 is expected
+    text = fast.explain()
+    assert f"bf16 auto: {'on' if expected else 'off'}: Test CPU" in text
+    if not expected:
+        assert "stays fp32" in text and fast.main_step is None  # nothing applied: the plain step runs
+
+
+def test_bf16_auto_on_the_real_machine_is_decided_and_explained():
+    info = hardware.cpu_info()
+    assert info["model"] and isinstance(info["flags"], set)
+    enabled, why = hardware.fast_bf16(torch.device("cpu"))
+    assert isinstance(enabled, bool) and why
+
+
+def test_bad_bf16_value_is_named():
+    with pytest.raises(dr.ConfigError, match="Config.bf16 must be True, False or 'auto'"):
+        dr.Config(bf16="yes")
