@@ -11,6 +11,8 @@ sequential step. Variants:
                  (1 intra-op thread), step with cores - 1 intra-op threads
     smartstage-process  the same with SmartStageOptions(executor="process"): reader and
                  stage in one worker process, results through a pipe (no GIL sharing)
+    smartstage-auto     SmartStageOptions(executor="auto") through fast.iterate(): it measures
+                 the first batches and picks off, thread or process (timed after its calibration)
     dataloader   torch DataLoader, 1 worker process running the same stage function
                  in its dataset; step with cores - 1 intra-op threads
 
@@ -29,11 +31,12 @@ import torch
 from torch import nn
 
 import deeprec as dr
-from _common import save_figure, print_table, save_json, summarize, synthetic_criteo
+from _common import cpu_line, print_table, save_figure, save_json, summarize, synthetic_criteo
 from deeprec import ops
 from deeprec.data import CriteoReader
 from deeprec.models.common import CRITEO_SPARSE, MLP, dense_features, make_embeddings
 from deeprec.optim import make_optimizer
+from deeprec.runtime import auto_stage
 
 CORES = os.cpu_count() or 1
 
@@ -102,6 +105,8 @@ def main() -> None:
     fast = dr.optimize(model, dr.Config(smart_stage=True, smart_stage_options=dr.SmartStageOptions(capacity=4)))
     fast_process = dr.optimize(model, dr.Config(
         smart_stage=True, smart_stage_options=dr.SmartStageOptions(capacity=4, executor="process")))
+    fast_auto = dr.optimize(model, dr.Config(
+        smart_stage=True, smart_stage_options=dr.SmartStageOptions(capacity=4, executor="auto")))
     main_threads = max(1, CORES - 1)
     full_threads = torch.get_num_threads()
 
@@ -119,9 +124,24 @@ def main() -> None:
             out.append((time.perf_counter() - t) * 1e3)
         return out
 
-    pipelined = ("sequential", "smartstage-thread", "smartstage-process", "dataloader")
+    def auto_loop(n):
+        """Per-step wall ms through fast_auto.iterate(), after its calibration and trials."""
+        warm = 2 * auto_stage.W + 2 * auto_stage.T + 3
+        steps, out = fast_auto.iterate(reader(), backward=True), []
+        for k in range(warm + n):
+            t = time.perf_counter()
+            next(steps)
+            opt.step()
+            opt.zero_grad()
+            if k >= warm:
+                out.append((time.perf_counter() - t) * 1e3)
+        steps.close()
+        return out
+
+    pipelined = ("sequential", "smartstage-thread", "smartstage-process", "smartstage-auto", "dataloader")
     ms = {k: [] for k in pipelined + ("stage alone", "main alone", "main alone (all threads)")}
     rounds = {k: [] for k in pipelined}
+    picked = []
     for _ in range(args.rounds):
         torch.set_num_threads(full_threads)
         seq = timed_loop(iter(reader()), lambda b: train_step(lambda: model(b), opt), args.steps)
@@ -142,6 +162,8 @@ def main() -> None:
             smart = timed_loop(iter(hook), lambda s: train_step(lambda: fast(s), opt), args.steps)
         with dr.make_prefetch_hook(fast_process, reader()) as hook:
             smart_process = timed_loop(iter(hook), lambda s: train_step(lambda: fast_process(s), opt), args.steps)
+        smart_auto = auto_loop(args.steps)
+        picked.append(fast_auto.auto_decision.summary())
         torch.set_num_threads(main_threads)
         loader = torch.utils.data.DataLoader(StagedDataset(data, args.batch_size, fast.partition.stage),
                                              batch_size=None, num_workers=1, prefetch_factor=4)
@@ -150,6 +172,7 @@ def main() -> None:
         del it, loader
         torch.set_num_threads(full_threads)
         measured = {"sequential": seq, "smartstage-thread": smart, "smartstage-process": smart_process,
+                    "smartstage-auto": smart_auto,
                     "dataloader": dl, "stage alone": stage_ms, "main alone": main_ms,
                     "main alone (all threads)": main_full}
         for key, values in measured.items():
@@ -173,9 +196,11 @@ def main() -> None:
         rows.append([key, f"{stats[key]['median']:.1f}", f"{stats[key]['p10']:.1f}-{stats[key]['p90']:.1f}",
                      "", "", ""])
     share = stage / (stage + stats["main alone (all threads)"]["median"])
-    print_table(f"SmartStage, crossed DLRM, batch {args.batch_size}, {args.optimizer}, {CORES} cores "
+    print_table(f"SmartStage, crossed DLRM, batch {args.batch_size}, {args.optimizer}, {cpu_line()} "
                 f"(stage = {100 * share:.0f}% of the sequential step)",
                 ["variant", "ms/step", "p10-p90", "samples/s", "vs sequential", "efficiency"], rows)
+    print("auto:", *picked, sep="\n  ")
+    results["auto_decisions"] = picked
     best = min(("smartstage-thread", "smartstage-process"), key=lambda k: stats[k]["median"])
     results.update({"stage_share_of_sequential": share, "ideal_ms": ideal, "best_smartstage": best,
                     "smartstage_vs_dataloader": stats["dataloader"]["median"] / stats[best]["median"]})
@@ -194,7 +219,7 @@ def main() -> None:
     ax.barh(keys, [stats[k]["median"] for k in keys],
             xerr=[[stats[k]["median"] - stats[k]["p10"] for k in keys],
                   [stats[k]["p90"] - stats[k]["median"] for k in keys]],
-            color=["#999999", "#66c2a5", "#1b9e77", "#8da0cb", "#fc8d62", "#e78ac3"])
+            color=["#999999", "#66c2a5", "#1b9e77", "#117755", "#8da0cb", "#fc8d62", "#e78ac3"])
     ax.axvline(ideal, color="black", linestyle="--", linewidth=1, label="ideal overlap")
     ax.set_xlabel("ms per step (median, p10-p90)")
     ax.legend(fontsize=8)
