@@ -130,12 +130,16 @@ class Ragged(NamedTuple):
         return f"Ragged({kind}, rows={self.rows}, values={self.values.numel() if isinstance(self.values, torch.Tensor) else self.values.rows})"
 
 
+# Arrow buffers are immutable by contract and these tensors only read them: torch's warning
+# about a non-writable buffer is silenced for this module's calls only.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
+                        module=__name__)
+
+
 def _bytes_tensor(buffer, start: int, end: int) -> torch.Tensor:
     if end <= start or buffer is None:
         return torch.empty(0, dtype=torch.uint8)
-    with warnings.catch_warnings():  # Arrow buffers are immutable by contract; the tensor only reads them
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(buffer, dtype=torch.uint8, count=end - start, offset=start)
+    return torch.frombuffer(buffer, dtype=torch.uint8, count=end - start, offset=start)
 
 
 __all__ = ["Ragged"]

@@ -65,21 +65,41 @@ void build_feature(const at::Tensor& values, const at::Tensor& offsets, int64_t 
       out.lengths[b] = 1;
     }
   }
+  // Dedup by an open-addressing hash table (first-seen order), then sort only the distinct
+  // keys and renumber: O(n + u log u) instead of sorting all n ids.
   const int64_t m = static_cast<int64_t>(out.values.size());
-  std::vector<int64_t> order(m);
-  std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return out.values[a] < out.values[b]; });
-  out.unique.clear();
-  out.counts.clear();
-  out.inverse.assign(m, 0);
+  size_t capacity = 16;
+  while (capacity < 2 * static_cast<size_t>(m)) capacity <<= 1;
+  std::vector<int64_t> slot_key(capacity), slot_index(capacity, -1);
+  std::vector<int64_t> seen;  // distinct ids, first-seen order
+  std::vector<int64_t> first_index(m);
   for (int64_t k = 0; k < m; ++k) {
-    const int64_t id = out.values[order[k]];
-    if (out.unique.empty() || out.unique.back() != id) {
-      out.unique.push_back(id);
-      out.counts.push_back(0);
+    const int64_t id = out.values[k];
+    uint64_t h = static_cast<uint64_t>(id) * 0x9e3779b97f4a7c15ULL;
+    size_t pos = (h ^ (h >> 32)) & (capacity - 1);
+    while (slot_index[pos] >= 0 && slot_key[pos] != id) pos = (pos + 1) & (capacity - 1);
+    if (slot_index[pos] < 0) {
+      slot_key[pos] = id;
+      slot_index[pos] = static_cast<int64_t>(seen.size());
+      seen.push_back(id);
     }
-    ++out.counts.back();
-    out.inverse[order[k]] = static_cast<int64_t>(out.unique.size()) - 1;
+    first_index[k] = slot_index[pos];
+  }
+  const int64_t u = static_cast<int64_t>(seen.size());
+  std::vector<int64_t> by_value(u);
+  std::iota(by_value.begin(), by_value.end(), 0);
+  std::sort(by_value.begin(), by_value.end(), [&](int64_t a, int64_t b) { return seen[a] < seen[b]; });
+  std::vector<int64_t> rank(u);
+  out.unique.resize(u);
+  for (int64_t r = 0; r < u; ++r) {
+    rank[by_value[r]] = r;
+    out.unique[r] = seen[by_value[r]];
+  }
+  out.counts.assign(u, 0);
+  out.inverse.resize(m);
+  for (int64_t k = 0; k < m; ++k) {
+    out.inverse[k] = rank[first_index[k]];
+    ++out.counts[out.inverse[k]];
   }
 }
 

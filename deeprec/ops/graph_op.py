@@ -12,6 +12,7 @@ import functools
 from typing import Any, Callable
 
 import torch.fx
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
 __all__ = ["op", "is_op", "is_stateful_op"]
 
@@ -43,6 +44,8 @@ def op(fn: Callable | None = None, *, stateful: bool = False):
     def decorate(func: Callable) -> Callable:
         @functools.wraps(func)
         def wrapper(*args, **kwargs):
+            if not is_fx_symbolic_tracing():  # the common case, checked without walking the arguments
+                return func(*args, **kwargs)
             proxy = _first_proxy((args, kwargs))
             if proxy is not None:
                 return proxy.tracer.create_proxy("call_function", wrapper, args, kwargs)
