@@ -15,7 +15,9 @@ TSV with Kaggle cardinalities, batch 512, Adagrad lr 0.01, all cores. Variants:
 
 Rates are steady-state samples/s (after 50 warm-up / calibration steps), medians over rounds;
 the variants of a round run back to back. Also reported: minor page faults per step
-(getrusage) of the plain loop under glibc's default malloc and with MALLOC_* tunables.
+(getrusage) and samples/s of the plain loop under glibc's malloc, glibc with MALLOC_* tunables
+(the seed's CPU memory optimization targets the page faults of large allocations), and mimalloc
+when the optional bench extra is installed.
 """
 from __future__ import annotations
 
@@ -97,22 +99,41 @@ def tf_rate(data: str, steps: int, jit: bool) -> float | None:
     return json.loads(done.stdout.strip().splitlines()[-1])["samples_per_s"]
 
 
-def page_faults_per_step(data: str, steps: int) -> dict:
-    """Minor page faults per step of the plain loop, in a child process per allocator setting."""
-    settings = {"glibc default": {}, "MALLOC_ARENA_MAX=2, TRIM/MMAP thresholds 1 GiB":
-                {"MALLOC_ARENA_MAX": "2", "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
-                 "MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TOP_PAD_": str(256 << 20)}}
-    out = {}
-    for name, env in settings.items():
-        code = ("import sys; sys.path.insert(0, 'bench'); import e2e; "
-                f"print(e2e._faults_child({data!r}, {steps}))")
-        done = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, cwd=ROOT,
-                              capture_output=True, text=True, timeout=1800)
-        out[name] = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
-    return out
+def _mimalloc() -> str | None:
+    """libmimalloc.so of the optional `cmeel-mimalloc` package (`pip install -e '.[bench]'`)."""
+    import glob
+    import sysconfig
+
+    found = glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "cmeel.prefix", "lib", "libmimalloc.so"))
+    return found[0] if found else None
+
+
+def allocators(data: str, steps: int, rounds: int) -> dict:
+    """Minor page faults per step and samples/s of the plain loop, one child process per allocator
+    setting, settings interleaved over rounds (medians)."""
+    settings = {"glibc default": {}, "glibc tuned (deeprec.runtime.memory.tune_malloc)": {"BENCH_TUNE_MALLOC": "1"}}
+    if _mimalloc():
+        settings["mimalloc (LD_PRELOAD)"] = {"LD_PRELOAD": _mimalloc()}
+    else:
+        print("mimalloc skipped: pip install -e '.[bench]' provides it")
+    runs = {name: [] for name in settings}
+    for _ in range(rounds):
+        for name, env in settings.items():
+            code = ("import sys; sys.path.insert(0, 'bench'); import e2e; "
+                    f"print(e2e._faults_child({data!r}, {steps}))")
+            done = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, cwd=ROOT,
+                                  capture_output=True, text=True, timeout=1800)
+            if done.returncode == 0:
+                runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return {name: {key: statistics.median(r[key] for r in results) for key in results[0]}
+            for name, results in runs.items() if results}
 
 
 def _faults_child(data: str, steps: int) -> str:
+    if os.environ.get("BENCH_TUNE_MALLOC"):
+        from deeprec.runtime.memory import tune_malloc
+
+        tune_malloc()
     torch.manual_seed(0)
     model = build_model("dlrm")
     opt = make_optimizer(model, "adagrad", 0.01)
@@ -165,8 +186,12 @@ def main() -> None:
             for k, v in median.items()]
     print_table(f"DLRM end to end, batch 512, Adagrad ({cpu_line()})",
                 ["variant", "samples/s", "vs step alone", "vs plain", "per round"], rows)
-    faults = page_faults_per_step(data, 150)
-    print("page faults per step:", json.dumps(faults))
+    faults = allocators(data, 200, args.rounds + 1)
+    base = faults["glibc default"]["samples_per_s"]
+    print_table("allocators: the plain loop in a child process each (medians)",
+                ["allocator", "minor page faults / step", "samples/s", "vs default"],
+                [[name, f"{r['minor_faults_per_step']:.1f}", f"{r['samples_per_s']:,.0f}",
+                  f"{r['samples_per_s'] / base:.3f}"] for name, r in faults.items()])
     targets = {"plain >= 0.85 x step alone": plain / step,
                "smart-stage auto >= 1.0 x plain": median["smart-stage auto"] / plain}
     if "tf.data + keras xla" in median:

@@ -32,6 +32,7 @@ from deeprec.models import SCHEMA_MODELS, build_model
 from deeprec.nn import incremental_state_dict
 from deeprec.optim import make_optimizer
 from deeprec.runtime import optimize
+from deeprec.runtime.memory import tune_malloc
 
 log = logging.getLogger("deeprec.train")
 STEADY_AFTER = 50  # steps: warm-up plus SmartStage auto's calibration (deeprec.runtime.auto_stage)
@@ -79,6 +80,7 @@ class TrainConfig:
     micro_batch: int = 1  # Config.micro_batch_num
     compile: bool = False  # Config.graph_fusion (torch.compile of the step)
     bf16: bool | str = False  # Config.bf16: True, False or "auto" (autocast bfloat16, fp32 weights)
+    malloc_tuning: bool = False  # glibc mallopt: keep freed memory mapped (deeprec.runtime.memory)
 
     def __post_init__(self):
         if isinstance(self.data, str):
@@ -185,6 +187,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         if cfg.flush_denormal:
             torch.set_flush_denormal(True)
+        self.malloc_note = tune_malloc() if cfg.malloc_tuning else None
         self.model_overrides = dict(cfg.model_overrides)  # as built, and as checkpoints record it
         if cfg.embedding is not None or cfg.ps_addresses:
             self.model_overrides["embedding"] = cfg.embedding or "variable"
@@ -322,6 +325,8 @@ class Trainer:
                   "bad_rows": self.train_reader.stats.bad_rows}
         if self.fast is not None and self.fast.prefetch_stats is not None:
             result["stage"] = asdict(self.fast.prefetch_stats)
+        if self.malloc_note:
+            result["malloc"] = self.malloc_note
         if self.fast is not None and self.fast.bf16_note:
             result["bf16"] = ("on: " if self.fast.config.bf16 else "off: ") + self.fast.bf16_note
         if self.fast is not None and self.fast.auto_decision is not None:

@@ -38,3 +38,15 @@ def test_bf16_auto_on_the_real_machine_is_decided_and_explained():
 def test_bad_bf16_value_is_named():
     with pytest.raises(dr.ConfigError, match="Config.bf16 must be True, False or 'auto'"):
         dr.Config(bf16="yes")
+
+
+def test_malloc_tuning_applies_in_a_fresh_process():
+    import subprocess
+    import sys
+
+    code = ("from deeprec.runtime.memory import tune_malloc, minor_faults; import torch; "
+            "print(tune_malloc()); before = minor_faults(); x = torch.ones(1 << 22); print(minor_faults() > before)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    said, faulted = out.stdout.strip().splitlines()
+    assert said.startswith("glibc malloc tuned: mmap threshold 32 MiB") and faulted == "True"

@@ -141,10 +141,11 @@ def run_auto(fast, reader, step, before_step=None):
                 if process < KEEP_BELOW * min(off, measured):
                     choice = "process"
         decision.executor, decision.main_threads = choice, threads
+        tried = [f"{k} measured {decision.ms[k]:.2f} ms" for k in ("thread", "process") if k in decision.ms]
         decision.reason = {
-            "off": f"staging ahead on {fewer} step threads would not pay (predicted {predicted:.2f} ms "
-                   f"vs {off:.2f} ms per batch inline" + (f", measured {decision.ms['thread']:.2f} ms)"
-                                                          if "thread" in decision.ms else ")"),
+            "off": (f"tried {' and '.join(tried)} per batch: no faster than {off:.2f} ms inline" if tried else
+                    f"staging ahead on {fewer} step threads would not pay (predicted {predicted:.2f} ms vs "
+                    f"{off:.2f} ms per batch inline)"),
             "thread": "the stage overlaps the step in a thread (its ops release the GIL)",
             "process": "the stage holds the GIL: a worker process overlaps it with the step",
         }[choice]
