@@ -48,7 +48,8 @@ inline uint32_t load32(const uint8_t* p) {
   std::memcpy(&v, p, 4);
   return v;
 }
-inline uint64_t rotl(uint64_t x, int b) { return (x << b) | (x >> (64 - b)); }
+template <typename T>  // uint64_t, or a vector of uint64_t lanes
+inline T rotl(T x, int b) { return (x << b) | (x >> (64 - b)); }
 inline uint64_t rotr(uint64_t x, int b) { return b == 0 ? x : (x >> b) | (x << (64 - b)); }
 
 // ---- SipHash-2-4 (Aumasson & Bernstein) + splitmix64 finalizer ------------------------
@@ -82,7 +83,6 @@ uint64_t siphash24(const uint8_t* in, size_t len) {
   SIPROUND; SIPROUND; SIPROUND; SIPROUND;
   return v0 ^ v1 ^ v2 ^ v3;
 }
-#undef SIPROUND
 
 inline uint64_t splitmix64_finalize(uint64_t x) {
   x ^= x >> 30; x *= 0xbf58476d1ce4e5b9ULL;
@@ -109,15 +109,6 @@ inline uint64_t message_word(const uint8_t* s, size_t len, size_t j) {
   return b;
 }
 
-#define LANE_ROTL(x, b) (((x) << (b)) | ((x) >> (64 - (b))))
-#define LANE_SIPROUND                                                        \
-  do {                                                                       \
-    v0 += v1; v1 = LANE_ROTL(v1, 13); v1 ^= v0; v0 = LANE_ROTL(v0, 32);      \
-    v2 += v3; v3 = LANE_ROTL(v3, 16); v3 ^= v2;                              \
-    v0 += v3; v3 = LANE_ROTL(v3, 21); v3 ^= v0;                              \
-    v2 += v1; v1 = LANE_ROTL(v1, 17); v1 ^= v2; v2 = LANE_ROTL(v2, 32);      \
-  } while (0)
-
 // words[j] holds lane l's j-th message word; lane l has nwords[l] of them. The words were
 // written by a separate pass over many groups, so these vector loads do not stall on
 // store forwarding from scalar stores just made.
@@ -137,8 +128,8 @@ void siphash_lanes(const uint64_t (*words)[kLanes], const uint64_t* nwords, size
     std::memcpy(&m, words[j], sizeof(m));
     const Lanes w0 = v0, w1 = v1, w2 = v2, w3 = v3;
     v3 ^= m;
-    LANE_SIPROUND;
-    LANE_SIPROUND;
+    SIPROUND;
+    SIPROUND;
     v0 ^= m;
     if (!uniform) {  // lanes whose words are used up keep their state
       const Lanes on = (Lanes)((Lanes{} + j) < count);
@@ -147,15 +138,14 @@ void siphash_lanes(const uint64_t (*words)[kLanes], const uint64_t* nwords, size
     }
   }
   v2 ^= 0xff;
-  LANE_SIPROUND; LANE_SIPROUND; LANE_SIPROUND; LANE_SIPROUND;
+  SIPROUND; SIPROUND; SIPROUND; SIPROUND;
   Lanes h = v0 ^ v1 ^ v2 ^ v3;
   h ^= h >> 30; h *= 0xbf58476d1ce4e5b9ULL;  // splitmix64_finalize
   h ^= h >> 27; h *= 0x94d049bb133111ebULL;
   h ^= h >> 31;
   std::memcpy(out, &h, sizeof(h));
 }
-#undef LANE_SIPROUND
-#undef LANE_ROTL
+#undef SIPROUND
 
 // ---- FarmHash Fingerprint64 (Geoff Pike, Google; MIT) -----------------------------------
 constexpr uint64_t kF0 = 0xc3a5c85c97cb3127ULL, kF1 = 0xb492b66fbe98f273ULL, kF2 = 0x9ae16a3b2f90404fULL;
