@@ -26,8 +26,8 @@ class CriteoReader(CsvReader):
     """Streaming reader of Criteo click logs; yields raw batches.
 
     A batch is a dict: ``label`` float32 [B], ``I1``..``I13`` float32 [B]
-    (NaN = missing), ``C1``..``C26`` numpy object arrays of raw ``bytes``
-    (b"" = missing). Deterministic for a given seed; every valid row appears
+    (NaN = missing), ``C1``..``C26`` string columns: ``deeprec.Ragged`` of
+    raw bytes (b"" = missing). Deterministic for a given seed; every valid row appears
     exactly once per epoch over all shards.
     """
 

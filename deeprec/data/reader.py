@@ -40,7 +40,7 @@ class ColumnSpec:
 
     labels: tuple[str, ...]
     dense: tuple[str, ...]  # float32 tensors, NaN for missing
-    strings: tuple[str, ...]  # numpy object arrays of bytes
+    strings: tuple[str, ...]  # string columns: deeprec.Ragged of bytes
 
     @property
     def names(self) -> tuple[str, ...]:
