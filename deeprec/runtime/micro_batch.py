@@ -91,6 +91,8 @@ class MicroBatchSource:
 
 def combine_outputs(outputs: list[dict], sizes: list[int]) -> dict:
     """Rows concatenated; scalars (the loss) averaged, weighted by micro-batch size."""
+    if len(outputs) == 1:  # one batch: its outputs, detached (no copy, no arithmetic)
+        return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in outputs[0].items()}
     total = sum(sizes)
     combined = {}
     for key, first in outputs[0].items():
