@@ -9,7 +9,7 @@ $(PY):
 	python3 -m venv $(VENV)
 
 # The C++ extension (deeprec/csrc) builds against the installed torch, hence no build isolation.
-$(STAMP): pyproject.toml setup.py $(wildcard deeprec/csrc/*.cpp) | $(PY)
+$(STAMP): pyproject.toml setup.py $(wildcard deeprec/csrc/*) | $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0 'setuptools>=68' wheel ninja
 	$(PY) -m pip install -q --no-build-isolation -e '.[dev]'

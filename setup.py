@@ -9,6 +9,7 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 setup(
     ext_modules=[CppExtension("deeprec._C", ["deeprec/csrc/feature_ops.cpp", "deeprec/csrc/bags.cpp"],
+                              depends=["deeprec/csrc/hashes.h"],
                               extra_compile_args=["-O3"])],
     cmdclass={"build_ext": BuildExtension},
 )
