@@ -282,8 +282,10 @@ class Trainer:
                             TextColumn("loss {task.fields[loss]:.4f}  {task.fields[rate]:,.0f} samples/s"),
                             TimeElapsedColumn(), console=self.console,
                             disable=not (cfg.progress and self.console.is_terminal))
+        frozen = contextlib.ExitStack()
+        frozen.enter_context(_frozen_heap())  # its full collection is setup: before the clock starts
         started = time.perf_counter()
-        with progress, contextlib.closing(self._steps()) as steps, _frozen_heap():
+        with frozen, progress, contextlib.closing(self._steps()) as steps:
             task = progress.add_task("train", total=total, completed=self.step, loss=float("nan"), rate=0.0)
             while total is None or self.step < total:
                 with record_function("deeprec.read+forward+backward"):
