@@ -21,7 +21,11 @@ from typing import Sequence
 
 import torch
 
-import deeprec._C  # noqa: F401  - registers torch.ops.deeprec.*
+try:
+    import deeprec._C  # noqa: F401  - registers torch.ops.deeprec.*
+except ImportError as err:  # pragma: no cover - an install that skipped the C++ build
+    raise ImportError("deeprec's C++ feature ops (deeprec/csrc) are not built for this torch: run `make setup`, "
+                      "or `pip install --no-build-isolation -e .` in an environment that has torch") from err
 from deeprec.errors import ConfigError, check_choice
 from deeprec.ops import fake  # noqa: F401  - fake kernels for torch.compile / torch.export
 from deeprec.ops.graph_op import is_op, is_stateful_op, op
