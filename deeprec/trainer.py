@@ -8,7 +8,6 @@ with progress, periodic atomic checkpoints, exact resume and evaluation.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import math
@@ -165,19 +164,6 @@ def evaluate(model: torch.nn.Module, reader) -> dict:
     return result
 
 
-@contextlib.contextmanager
-def _frozen_heap():
-    """The objects built before the loop (torch, the model, the readers) live for the whole run:
-    frozen, the garbage collector stops re-scanning them on every full collection (5-10% of a
-    small model's step went there, measured with perf)."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
 class Trainer:
     def __init__(self, cfg: TrainConfig, console: Console | None = None):
         self.cfg = cfg
@@ -282,10 +268,8 @@ class Trainer:
                             TextColumn("loss {task.fields[loss]:.4f}  {task.fields[rate]:,.0f} samples/s"),
                             TimeElapsedColumn(), console=self.console,
                             disable=not (cfg.progress and self.console.is_terminal))
-        frozen = contextlib.ExitStack()
-        frozen.enter_context(_frozen_heap())  # its full collection is setup: before the clock starts
         started = time.perf_counter()
-        with frozen, progress, contextlib.closing(self._steps()) as steps:
+        with progress, contextlib.closing(self._steps()) as steps:
             task = progress.add_task("train", total=total, completed=self.step, loss=float("nan"), rate=0.0)
             while total is None or self.step < total:
                 with record_function("deeprec.read+forward+backward"):
