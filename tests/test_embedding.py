@@ -371,3 +371,23 @@ def test_native_prepare_bags_equals_the_torch_composition(seed):
         prepare_bags([features[0], torch.zeros(3, dtype=torch.long)], ["sum", "sum"], [None, None])
     with pytest.raises(ValueError, match="combiner='max' is not allowed"):
         prepare_bags(features[:1], ["max"], [None])
+
+
+@pytest.mark.parametrize("embedding", ["table", "variable"])
+def test_row_sparse_optimizer_counts_one_step_per_training_step(sample, embedding):
+    """A collection of EmbeddingVariables hands one gradient per feature to the backward: the
+    optimizer step (Adam's bias correction, GlobalStepEvict's clock) must still advance once."""
+    import itertools
+
+    from deeprec.data import CriteoReader
+    from deeprec.models import build_model
+
+    model = build_model("dlrm", embedding=embedding, hash_buckets=1000)
+    opt = optim.make_optimizer(model, "adam", 0.01)
+    for batch in itertools.islice(CriteoReader(sample, 32), 3):
+        model(batch)["loss"].backward()
+        opt.step()
+        opt.zero_grad()
+    assert model.embeddings.lookup.optimizer.step_count == 3
+    if embedding == "variable":
+        assert all(ev.global_step == 3 for ev in model.embeddings.lookup.variables)

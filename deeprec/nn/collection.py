@@ -11,6 +11,7 @@ the attached row-sparse optimizer to the unique rows only (fused), or, with
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -82,7 +83,9 @@ class FusedLookup(nn.Module):
     def _slots(self) -> dict:
         return {name[5:]: buf for name, buf in self.named_buffers(recurse=False) if name.startswith("slot_")}
 
-    def _receive(self, part: int, rows: torch.Tensor, grad: torch.Tensor) -> None:
+    def _receive(self, part: int, rows: torch.Tensor, grad: torch.Tensor, begin: bool = True) -> None:
+        """`begin`: this gradient is the step's first (a collection of EmbeddingVariables hands
+        one per feature to the same backward; the optimizer step begins once)."""
         if self.optimizer is None:
             if all(self.dynamic):
                 raise RuntimeError("an EmbeddingCollection of EmbeddingVariables needs a row-sparse optimizer: "
@@ -92,7 +95,8 @@ class FusedLookup(nn.Module):
             self.weight.grad = sparse if self.weight.grad is None else self.weight.grad + sparse
             return
         if self.fused:
-            self.optimizer.begin_step()
+            if begin:
+                self.optimizer.begin_step()
             self._apply(part, rows, grad)
         else:
             self._pending.append((part, rows, grad))
@@ -134,11 +138,15 @@ class FusedLookup(nn.Module):
             index = torch.arange(values.shape[0])
             rows_values = RowGather.apply(self._token, values, index, self.remote.receive)
         elif all(self.dynamic):
-            gathered = []
+            gathered, began = [], []  # the first part's gradient of this backward begins the optimizer step
+
+            def sink(r, g, part):
+                self._receive(part, r, g, begin=not began)
+                began.append(part)
+
             for part, (ev, keys, seen) in enumerate(zip(self.variables, uniques, counts)):
                 rows = ev.rows_for(keys, seen, train=self.training)  # frequency counts every occurrence
-                sink = (lambda r, g, part=part: self._receive(part, r, g))
-                gathered.append(RowGather.apply(self._token, _EVTable(ev), rows, sink))
+                gathered.append(RowGather.apply(self._token, _EVTable(ev), rows, functools.partial(sink, part=part)))
             rows_values = torch.cat(gathered)
         else:
             keys = torch.cat(uniques)
