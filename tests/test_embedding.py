@@ -391,3 +391,31 @@ def test_row_sparse_optimizer_counts_one_step_per_training_step(sample, embeddin
     assert model.embeddings.lookup.optimizer.step_count == 3
     if embedding == "variable":
         assert all(ev.global_step == 3 for ev in model.embeddings.lookup.variables)
+
+
+def test_embedding_variable_as_a_layer_with_duplicate_ids():
+    """ev(ids) like nn.Embedding: any id shape, autograd, one summed update per row."""
+    torch.manual_seed(0)
+    ev = EmbeddingVariable(4, name="item")
+    model = torch.nn.ModuleDict({"ev": ev, "head": torch.nn.Linear(4, 1)})
+    opt = optim.make_optimizer(model, "sgd", lr=0.5)  # the free EmbeddingVariable gets a row-sparse SGD
+    assert isinstance(ev.optimizer, optim.SGD)
+    ids = torch.tensor([[3, 3], [7, -5]])
+    out = ev(ids)
+    assert out.shape == (2, 2, 4)
+    before = {k: out[i, j].detach().clone() for (i, j), k in (((0, 0), 3), ((1, 0), 7), ((1, 1), -5))}
+    out.sum().backward()  # d/d row = one per occurrence: key 3 occurs twice
+    opt.step()
+    ev.eval()
+    after = ev(torch.tensor([3, 7, -5]))
+    assert torch.allclose(after[0], before[3] - 0.5 * 2)  # gradients of a duplicate summed, one update
+    assert torch.allclose(after[1], before[7] - 0.5 * 1) and torch.allclose(after[2], before[-5] - 0.5)
+    assert ev.optimizer.step_count == 1 and ev.global_step == 1
+    unknown = ev(torch.tensor([123456]))  # eval: an unseen key reads the default, inserts nothing
+    assert unknown.shape == (1, 4) and len(ev.export()["keys"]) == 3
+
+
+def test_embedding_variable_gradient_without_optimizer_is_a_clear_error():
+    ev = EmbeddingVariable(2, name="user")
+    with pytest.raises(RuntimeError, match="'user' got a gradient but has no row-sparse optimizer"):
+        ev(torch.tensor([1, 2])).sum().backward()

@@ -20,7 +20,7 @@ from torch import nn
 from deeprec.errors import ConfigError, check_choice
 from deeprec.nn.lookup import COMBINERS, Ragged, RowGather, pool_bags, prepare_bags
 from deeprec.nn.options import EmbeddingVariableOption
-from deeprec.nn.variable import EmbeddingVariable
+from deeprec.nn.variable import EmbeddingVariable, EVTable
 from deeprec.optim.sparse import RowSparseOptimizer, merge_rows
 
 
@@ -70,8 +70,7 @@ class FusedLookup(nn.Module):
     # -- optimizer ------------------------------------------------------------------------
     def attach(self, optimizer: RowSparseOptimizer, fused: bool = True) -> None:
         self.optimizer, self.fused = optimizer, fused
-        specs = {n: (v, True) for n, v in optimizer.slots.items()}
-        specs.update({n: (v, False) for n, v in optimizer.row_slots.items()})
+        specs = optimizer.slot_specs()
         if all(self.dynamic):
             for ev in self.variables:
                 ev.attach_slots(specs)
@@ -146,7 +145,7 @@ class FusedLookup(nn.Module):
 
             for part, (ev, keys, seen) in enumerate(zip(self.variables, uniques, counts)):
                 rows = ev.rows_for(keys, seen, train=self.training)  # frequency counts every occurrence
-                gathered.append(RowGather.apply(self._token, _EVTable(ev), rows, functools.partial(sink, part=part)))
+                gathered.append(RowGather.apply(self._token, EVTable(ev), rows, functools.partial(sink, part=part)))
             rows_values = torch.cat(gathered)
         else:
             keys = torch.cat(uniques)
@@ -167,16 +166,6 @@ class FusedLookup(nn.Module):
     def set_extra_state(self, state):
         if state and state.get("optimizer") and self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
-
-
-class _EVTable:
-    """Adapter so RowGather can `index_select` an EmbeddingVariable (defaults for rows < 0)."""
-
-    def __init__(self, ev: EmbeddingVariable):
-        self.ev = ev
-
-    def index_select(self, dim: int, rows: torch.Tensor) -> torch.Tensor:
-        return self.ev.gather(rows)
 
 
 class EmbeddingCollection(nn.Module):

@@ -20,6 +20,7 @@ from pandas._libs.hashtable import Int64HashTable
 from torch import nn
 
 from deeprec.errors import ConfigError
+from deeprec.nn.lookup import RowGather
 from deeprec.nn.options import CBFFilter, CounterFilter, EmbeddingVariableOption, GlobalStepEvict, L2WeightEvict
 
 PARTITION_MOD = 1000  # DeepRec partitions keys by key % 1000 % num_shards
@@ -58,6 +59,16 @@ class KeyIndex:
         return int(self._table.sizeof())
 
 
+class EVTable:
+    """Adapter so RowGather can `index_select` an EmbeddingVariable (defaults for rows < 0)."""
+
+    def __init__(self, ev: "EmbeddingVariable"):
+        self.ev = ev
+
+    def index_select(self, dim: int, rows: torch.Tensor) -> torch.Tensor:
+        return self.ev.gather(rows)
+
+
 def _mix64(x: np.ndarray, salt: int) -> np.ndarray:
     x = x.astype(np.uint64) + np.uint64((0x9E3779B97F4A7C15 * (salt + 1)) & 0xFFFFFFFFFFFFFFFF)
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -88,6 +99,8 @@ class EmbeddingVariable(nn.Module):
         self._lock = threading.RLock()
         self._slot_init: dict[str, tuple[float, bool]] = {}  # name -> (initial value, per element)
         self.global_step = 0
+        self.optimizer = None  # row-sparse optimizer of ev(ids)'s backward (set_optimizer)
+        self._token = torch.zeros(0, requires_grad=True)  # makes autograd call RowGather.backward
         self._reset(initial_capacity)
 
     # -- copies (copy.deepcopy, pickle): the lock and the hash indexes are rebuilt ---------
@@ -108,6 +121,37 @@ class EmbeddingVariable(nn.Module):
                                        np.arange(self._pending_size, dtype=np.int64))
         else:
             self._pending_index = None
+
+    # -- as a layer: ev(ids), like nn.Embedding ------------------------------------------------
+    def set_optimizer(self, optimizer) -> None:
+        """The row-sparse optimizer (deeprec.optim.Adagrad, Adam, ...) that ev(ids)'s backward applies
+        to the rows looked up; `deeprec.optim.make_optimizer(model)` attaches one to every free
+        EmbeddingVariable (those of an EmbeddingCollection get the collection's)."""
+        self.optimizer = optimizer
+        self.attach_slots(optimizer.slot_specs())
+
+    def forward(self, ids) -> torch.Tensor:
+        """Rows of int ids of any shape -> [*ids.shape, dim], differentiable. In training, new keys
+        are inserted (filters permitting); an id seen several times in one call is looked up
+        once, its gradients summed, and its row updated once by the attached optimizer."""
+        ids = torch.as_tensor(ids)
+        keys, inverse, counts = torch.unique(ids.reshape(-1).to(torch.int64), return_inverse=True,
+                                             return_counts=True)
+        rows = self.rows_for(keys, counts, train=self.training)
+        if self.training and torch.is_grad_enabled():
+            values = RowGather.apply(self._token, EVTable(self), rows, self._receive)
+        else:
+            values = self.gather(rows)
+        return values[inverse].reshape(*ids.shape, self.embedding_dim)
+
+    def _receive(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        if self.optimizer is None:
+            named = f" {self.name!r}" if self.name else ""
+            raise RuntimeError(f"EmbeddingVariable{named} got a gradient but has no row-sparse optimizer: "
+                               "ev.set_optimizer(deeprec.optim.Adagrad(lr=...)) or deeprec.optim.make_optimizer(model)")
+        self.optimizer.begin_step()
+        self.global_step = self.optimizer.step_count
+        self.apply_update(self.optimizer, rows, grad)
 
     # -- storage ------------------------------------------------------------------------
     def _reset(self, capacity: int) -> None:

@@ -43,9 +43,10 @@ class OptimizerGroup:
 
 
 def attach_row_sparse(model: nn.Module, name: str, lr: float) -> int:
-    """Give every EmbeddingCollection in `model` the row-sparse version of `name`
-    (its update runs fused in the backward); returns how many got one."""
+    """Give every EmbeddingCollection and every free EmbeddingVariable in `model` the row-sparse
+    version of `name` (its update runs fused in the backward); returns how many got one."""
     from deeprec.nn.collection import EmbeddingCollection
+    from deeprec.nn.variable import EmbeddingVariable
     from deeprec.optim import sparse
 
     kinds = {"adagrad": lambda: sparse.Adagrad(lr=lr, initial_accumulator_value=0.1),
@@ -53,7 +54,11 @@ def attach_row_sparse(model: nn.Module, name: str, lr: float) -> int:
     collections = [m for m in model.modules() if isinstance(m, EmbeddingCollection)]
     for collection in collections:
         collection.set_optimizer(kinds[name]())
-    return len(collections)
+    owned = {id(ev) for c in collections for ev in c.modules() if isinstance(ev, EmbeddingVariable)}
+    free = [m for m in model.modules() if isinstance(m, EmbeddingVariable) and id(m) not in owned]
+    for ev in free:  # used as ev(ids): each gets its own row-sparse optimizer
+        ev.set_optimizer(kinds[name]())
+    return len(collections) + len(free)
 
 
 def make_optimizer(model: nn.Module, name: str = "adagrad", lr: float = 0.05) -> OptimizerGroup:

@@ -52,6 +52,10 @@ class RowSparseOptimizer:
         out.update({name: torch.full((num_rows,), value, device=device) for name, value in self.row_slots.items()})
         return out
 
+    def slot_specs(self) -> dict[str, tuple[float, bool]]:
+        """{slot name: (initial value, one per element?)}: what a table must hold for this optimizer."""
+        return {**{n: (v, True) for n, v in self.slots.items()}, **{n: (v, False) for n, v in self.row_slots.items()}}
+
     def begin_step(self) -> None:
         """Called once per optimizer step, before the rows' updates."""
         self.step_count += 1
