@@ -15,10 +15,9 @@ change float rounding). `fast.auto_decision` keeps the measurements and the reas
 """
 from __future__ import annotations
 
-import copy
+import dataclasses
 import statistics
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -29,12 +28,12 @@ KEEP_BELOW = 0.97  # keep a tried executor where measured below this share of th
 GIL_EXCESS = 1.15  # the thread measured this far above its prediction: try the process executor
 
 
-@dataclass
+@dataclasses.dataclass
 class AutoDecision:
     executor: str = "pending"  # off | thread | process
     main_threads: int = 0
     reason: str = ""
-    ms: dict = field(default_factory=dict)  # stage, step_all, step_fewer, off, thread[, process]
+    ms: dict = dataclasses.field(default_factory=dict)  # stage, step_all, step_fewer, off, thread[, process]
 
     def summary(self) -> str:
         shown = ", ".join(f"{k} {v:.2f} ms" for k, v in self.ms.items())
@@ -92,8 +91,7 @@ def run_auto(fast, reader, step, before_step=None):
 
     def staged(source, executor: str, threads: int, limit: int | None, walls: list):
         """Batches through a prefetch runner; after `limit` batches the runner is drained."""
-        options = copy.copy(fast.config.smart_stage_options)
-        options.executor = executor
+        options = dataclasses.replace(fast.config.smart_stage_options, executor=executor)
         phase.update(name=f"{executor} trial" if limit is not None else phase["name"], mode=executor, threads=threads)
         last_state = None
         with PrefetchHook(fast, source, options=options, main_threads=threads) as hook:
