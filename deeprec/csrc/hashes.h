@@ -44,21 +44,26 @@ constexpr uint64_t kSipK1 = 0x3635343332313938ULL;  // "89123456"
     v2 += v1; v1 = rotl(v1, 17); v1 ^= v2; v2 = rotl(v2, 32);      \
   } while (0)
 
+// Word j of a string's SipHash message: its 8-byte blocks, then the tail word (the last
+// len % 8 bytes with the length in the top byte).
+inline uint64_t message_word(const uint8_t* s, size_t len, size_t j) {
+  const size_t blocks = len / 8;
+  if (j < blocks) return load64(s + 8 * j);
+  uint64_t b = static_cast<uint64_t>(len) << 56;  // j == blocks: the tail word
+  const uint8_t* tail = s + 8 * blocks;
+  for (size_t i = 0; i < len % 8; ++i) b |= static_cast<uint64_t>(tail[i]) << (8 * i);
+  return b;
+}
+
 uint64_t siphash24(const uint8_t* in, size_t len) {
   uint64_t v0 = 0x736f6d6570736575ULL ^ kSipK0, v1 = 0x646f72616e646f6dULL ^ kSipK1;
   uint64_t v2 = 0x6c7967656e657261ULL ^ kSipK0, v3 = 0x7465646279746573ULL ^ kSipK1;
-  const uint8_t* end = in + (len - len % 8);
-  for (; in != end; in += 8) {
-    uint64_t m = load64(in);
+  for (size_t j = 0; j <= len / 8; ++j) {
+    const uint64_t m = message_word(in, len, j);
     v3 ^= m;
     SIPROUND; SIPROUND;
     v0 ^= m;
   }
-  uint64_t b = static_cast<uint64_t>(len) << 56;
-  for (size_t i = 0; i < len % 8; ++i) b |= static_cast<uint64_t>(in[i]) << (8 * i);
-  v3 ^= b;
-  SIPROUND; SIPROUND;
-  v0 ^= b;
   v2 ^= 0xff;
   SIPROUND; SIPROUND; SIPROUND; SIPROUND;
   return v0 ^ v1 ^ v2 ^ v3;
@@ -79,15 +84,6 @@ uint64_t siphash_pandas(const uint8_t* s, size_t len) { return splitmix64_finali
 // picks the widest the CPU has when the library loads. Same values as siphash_pandas.
 constexpr int kLanes = 8;
 typedef uint64_t Lanes __attribute__((vector_size(8 * kLanes)));
-
-inline uint64_t message_word(const uint8_t* s, size_t len, size_t j) {
-  const size_t blocks = len / 8;
-  if (j < blocks) return load64(s + 8 * j);
-  uint64_t b = static_cast<uint64_t>(len) << 56;  // j == blocks: the tail word
-  const uint8_t* tail = s + 8 * blocks;
-  for (size_t i = 0; i < len % 8; ++i) b |= static_cast<uint64_t>(tail[i]) << (8 * i);
-  return b;
-}
 
 // words[j] holds lane l's j-th message word; lane l has nwords[l] of them. The words were
 // written by a separate pass over many groups, so these vector loads do not stall on
