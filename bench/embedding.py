@@ -85,8 +85,8 @@ class TorchRecDLRM(torch.nn.Module):
 
         super().__init__()
         self.dlrm = build_model("dlrm", hash_buckets=sizes, embedding="torch")
+        sizes = [self.dlrm.embeddings.buckets[k] for k in self.dlrm.embeddings.categorical]
         self.dlrm.embeddings = torch.nn.ModuleList()  # tables live in TorchRec
-        sizes = self.dlrm.sizes
         self.keys = [f"C{i}" for i in range(1, 27)]
         tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=16, num_embeddings=n, feature_names=[k])
                   for i, (k, n) in enumerate(zip(self.keys, sizes))]
@@ -115,14 +115,13 @@ def torchrec_dlrm(sizes):
 
 
 def torchrec_inputs(path: str, n: int, sizes):
-    from deeprec.models.common import dense_features, sparse_ids
-
     reader = iter(CriteoReader(path, 512, num_epochs=None, drop_remainder=True))
-    model = build_model("dlrm", hash_buckets=sizes, embedding="torch")
+    features = build_model("dlrm", hash_buckets=sizes, embedding="torch").embeddings
     out = []
     for _ in range(n):
         batch = next(reader)
-        out.append((dense_features(batch), sparse_ids(batch, model.sizes), batch["label"]))
+        ids = features.ids(batch)
+        out.append((features.dense_values(batch), [ids[c] for c in features.categorical], batch["label"]))
     return out
 
 

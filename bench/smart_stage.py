@@ -34,7 +34,9 @@ import deeprec as dr
 from _common import cpu_line, print_table, save_figure, save_json, summarize, synthetic_criteo
 from deeprec import ops
 from deeprec.data import CriteoReader
-from deeprec.models.common import CRITEO_SPARSE, MLP, dense_features, make_embeddings
+from deeprec.data import CRITEO_SCHEMA, SPARSE as CRITEO_SPARSE
+from deeprec.models.common import MLP
+from deeprec.models.features import FeatureEmbedder
 from deeprec.optim import make_optimizer
 from deeprec.runtime import auto_stage
 
@@ -47,7 +49,7 @@ class CrossedDLRM(nn.Module):
     def __init__(self, crosses: int = 3, buckets: int = 10000, dim: int = 16):
         super().__init__()
         self.crosses, self.buckets = crosses, buckets
-        self.embeddings = make_embeddings([buckets] * 26, dim, sparse=True)
+        self.features = FeatureEmbedder(CRITEO_SCHEMA, dim, buckets, embedding="torch")  # its dense values and tables
         self.bottom = MLP(13, (512, 256, 64, dim))
         rows, cols = torch.tril_indices(27, 27, offset=-1)
         self.register_buffer("rows", rows, persistent=False)
@@ -55,14 +57,14 @@ class CrossedDLRM(nn.Module):
         self.top = MLP(dim + 351, (512, 256), out=1)
 
     def forward(self, batch):
-        dense = self.bottom(dense_features(batch))
+        dense = self.bottom(self.features.dense_values(batch))
         vectors = [dense]
         for f, name in enumerate(CRITEO_SPARSE):
             bag = [ops.string_to_hash_bucket(batch[name], self.buckets)]
             bag += [ops.cross_hash_bucket([batch[name], batch[CRITEO_SPARSE[(f + j) % 26]]], self.buckets)
                     for j in range(1, self.crosses + 1)]
             unique, inverse = ops.dedup(torch.stack(bag, dim=1))
-            vectors.append(nn.functional.embedding_bag(inverse, self.embeddings[f](unique), mode="sum"))
+            vectors.append(nn.functional.embedding_bag(inverse, self.features.tables[name](unique), mode="sum"))
         v = torch.stack(vectors, dim=1)
         dots = torch.bmm(v, v.transpose(1, 2))[:, self.rows, self.cols]
         logits = self.top(torch.cat([dense, dots], dim=1)).squeeze(1)

@@ -27,7 +27,7 @@ from deeprec.checkpoint import (checkpoint_step, latest_checkpoint, list_checkpo
                                 save_checkpoint)
 from deeprec.data import open_reader, resolve_schema, schema_to_dict
 from deeprec.errors import ConfigError
-from deeprec.models import SCHEMA_MODELS, build_model
+from deeprec.models import build_model
 from deeprec.nn import incremental_state_dict
 from deeprec.optim import make_optimizer
 from deeprec.runtime import optimize
@@ -177,8 +177,7 @@ class Trainer:
         self.model_overrides = dict(cfg.model_overrides)  # as built, and as checkpoints record it
         if cfg.embedding is not None or cfg.ps_addresses:
             self.model_overrides["embedding"] = cfg.embedding or "variable"
-        data_schema = resolve_schema(cfg.data, cfg.schema)  # the Criteo models check it is Criteo's
-        self.schema = data_schema if cfg.model in SCHEMA_MODELS else None  # built over the data's columns
+        self.schema = data_schema = resolve_schema(cfg.data, cfg.schema)  # the model is built over the data's columns
         self.model = build_model(cfg.model, schema=data_schema, **self.model_overrides)
         self.ps = None
         if cfg.ps_addresses:  # parameters and their optimizer live on the parameter servers
@@ -209,7 +208,7 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------
     def state(self) -> dict:
         state = {"model_name": self.cfg.model, "model_overrides": self.model_overrides, "step": self.step,
-                 "schema": schema_to_dict(self.schema) if self.schema is not None else None,
+                 "schema": schema_to_dict(self.schema),
                  "reader": self._reader_state, "torch_rng": torch.get_rng_state()}
         if self.ps is None:
             state.update(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())

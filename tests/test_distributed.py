@@ -197,7 +197,7 @@ def test_ps_training_equals_single_process_training(ps_pool, unique_tsv, num_ps)
             assert torch.allclose(p, remote.ps.dense[name], atol=1e-5), name
     client = remote.ps.client
     for f in range(26):
-        ev = local.model.embeddings.lookup.variables[f]
+        ev = local.model.embeddings.collection.lookup.variables[f]
         keys = ev.keys[: ev.size]
         pulled = client.pull({f"embeddings.C{f + 1}": keys}, train=False)[f"embeddings.C{f + 1}"]
         assert torch.allclose(pulled, ev.weight[: ev.size], atol=1e-5), f

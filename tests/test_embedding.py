@@ -388,9 +388,9 @@ def test_row_sparse_optimizer_counts_one_step_per_training_step(sample, embeddin
         model(batch)["loss"].backward()
         opt.step()
         opt.zero_grad()
-    assert model.embeddings.lookup.optimizer.step_count == 3
+    assert model.embeddings.collection.lookup.optimizer.step_count == 3
     if embedding == "variable":
-        assert all(ev.global_step == 3 for ev in model.embeddings.lookup.variables)
+        assert all(ev.global_step == 3 for ev in model.embeddings.collection.lookup.variables)
 
 
 def test_embedding_variable_as_a_layer_with_duplicate_ids():

@@ -161,7 +161,7 @@ def test_micro_batches_give_the_full_batch_gradient(sample, n, embedding):
         opt_b.step()
         opt_b.zero_grad()
     if embedding == "variable":  # micro-batches insert keys in another order: compare rows by key
-        for ev_a, ev_b in zip(plain.embeddings.lookup.variables, twin.embeddings.lookup.variables):
+        for ev_a, ev_b in zip(plain.embeddings.collection.lookup.variables, twin.embeddings.collection.lookup.variables):
             order_a, order_b = ev_a.keys[: ev_a.size].argsort(), ev_b.keys[: ev_b.size].argsort()
             assert torch.equal(ev_a.keys[order_a], ev_b.keys[order_b])
             assert torch.allclose(ev_a.weight[order_a], ev_b.weight[order_b], rtol=1e-5, atol=1e-6)

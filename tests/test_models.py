@@ -5,9 +5,9 @@ import torch.fx
 from deeprec.graph import capture
 
 from deeprec.data import CriteoReader
-from deeprec.models import MODELS, SCHEMA_MODELS, DLRMConfig, build_model
+from deeprec.models import MODELS, DLRMConfig, build_model
 
-CRITEO_MODELS = sorted(set(MODELS) - set(SCHEMA_MODELS))  # the behaviour models: tests/test_behavior_models.py
+CRITEO_MODELS = ("dlrm", "deepfm", "wdl")  # the behaviour models: tests/test_behavior_models.py
 from deeprec.errors import ConfigError
 from deeprec.trainer import TrainConfig, train
 
@@ -27,7 +27,7 @@ def test_forward_backward_on_real_sample(name, real_batch):
     out["loss"].backward()
     for pname, p in model.named_parameters():
         assert p.grad is not None, pname  # the fused tables' weight too (sparse, see below)
-    emb = model.embeddings.lookup.weight.grad  # no optimizer attached: a sparse gradient
+    emb = model.embeddings.collection.lookup.weight.grad  # no optimizer attached: a sparse gradient
     assert emb.is_sparse  # only looked-up rows carry gradient
     touched = emb.coalesce().indices().unique()
     assert 0 < touched.numel() <= 128 * 26
@@ -45,16 +45,16 @@ def test_default_sizes_follow_deeprec_modelzoo():
     dlrm = build_model("dlrm")
     assert [m.out_features for m in dlrm.bottom if isinstance(m, torch.nn.Linear)] == [512, 256, 64, 16]
     assert [m.out_features for m in dlrm.top if isinstance(m, torch.nn.Linear)] == [512, 256, 1]
-    assert dlrm.embeddings.names == [f"C{i}" for i in range(1, 27)]
-    assert dlrm.embeddings.lookup.weight.shape == (26 * 10000, 16)  # 26 tables of 10k rows, fused
-    assert len(build_model("dlrm", embedding="torch").embeddings) == 26
+    assert dlrm.embeddings.collection.names == [f"C{i}" for i in range(1, 27)]
+    assert dlrm.embeddings.collection.lookup.weight.shape == (26 * 10000, 16)  # 26 tables of 10k rows, fused
+    assert len(build_model("dlrm", embedding="torch").embeddings.tables) == 26
     assert [m.out_features for m in build_model("deepfm").dnn if isinstance(m, torch.nn.Linear)] == [1024, 256, 32, 1]
     assert [m.out_features for m in build_model("wdl").dnn if isinstance(m, torch.nn.Linear)] == [1024, 512, 256, 1]
 
 
 def test_sizes_are_configurable_and_checked():
     small = build_model("dlrm", embedding_dim=8, bottom_mlp=(32, 8), top_mlp=(16,), hash_buckets=[50] * 26)
-    assert small.embeddings.lookup.weight.shape == (26 * 50, 8)
+    assert small.embeddings.collection.lookup.weight.shape == (26 * 50, 8)
     with pytest.raises(ConfigError, match="embedding='hash' is not allowed"):
         build_model("dlrm", embedding="hash")
     with pytest.raises(ValueError, match="bottom_mlp must end at embedding_dim=16"):

@@ -178,7 +178,7 @@ def test_async_embedding_needs_smart_stage():
     fast = dr.optimize(build_model("dlrm", embedding="variable"), dr.Config(smart_stage=True, async_embedding=True))
     (lookup, index), = fast.async_lookups  # the lookup's keys come out of the stage
     keys = next(n for n in fast.graph_module.graph.nodes if n.name == fast.partition.cut[index])
-    assert lookup is fast.model.embeddings.lookup
+    assert lookup is fast.model.embeddings.collection.lookup
     assert keys.args[0].target is dr.nn.prepare_bags and keys.args[1] == 0  # prepare_bags' unique keys
 
 
@@ -187,7 +187,7 @@ def test_explain_reports_partition_and_reasons():
     assert "string_to_hash_bucket, " in text and "fill_missing x13" in text  # one hashing op for 26 columns
     assert "prepare_bags" in text.split("main (")[0]  # dedup and bag layout run in the stage
     assert "cut (7 values" in text and "batch['label']" in text and "prepare_bags[1]" in text
-    assert "embeddings_lookup: stateful module embeddings.lookup (FusedLookup)" in text
+    assert "embeddings_lookup: stateful module embeddings.collection.lookup (FusedLookup)" in text
     off = dr.optimize(build_model("dlrm")).explain()
     assert "SmartStage off" in off
 

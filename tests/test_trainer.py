@@ -166,9 +166,9 @@ def test_incremental_checkpoints_restore_mid_training(tmp_path, unique_tsv, smal
         crashed.train()
     incs = list_checkpoints(str(tmp_path / "inc"), "incremental")
     assert [os.path.basename(p) for p in incs] == [f"incremental-0000000{s}.pt" for s in (25, 30, 35)]
-    inc_rows = load_checkpoint(incs[0])["model"]["embeddings.lookup.variables.0.keys"].numel()
+    inc_rows = load_checkpoint(incs[0])["model"]["embeddings.collection.lookup.variables.0.keys"].numel()
     full_rows = load_checkpoint(latest_checkpoint(str(tmp_path / "inc")))["model"][
-        "embeddings.lookup.variables.0.keys"].numel()
+        "embeddings.collection.lookup.variables.0.keys"].numel()
     assert 0 < inc_rows < full_rows  # only the rows touched in 5 steps
     resumed = Trainer(_cfg(unique_tsv, tmp_path / "inc", small_model, steps=50, resume=True, **kw))
     assert resumed.step == 35

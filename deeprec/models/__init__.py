@@ -1,7 +1,9 @@
 """Model zoo: plain `nn.Module`s whose `forward(raw_batch)` returns {"loss", "logits"}.
 
-DLRM, DeepFM and WDL read the Criteo columns; DIN, DIEN, DSSM and MMoE read any
-schema's columns (deeprec.data.Schema: roles, sequences, labels).
+Every model reads its columns from a schema (deeprec.data.Schema) through one
+feature layer (deeprec.models.features.FeatureEmbedder); the default schema is
+Criteo's for DLRM, DeepFM and WDL, the synthetic behaviour data's for DIN, DIEN
+and DSSM, ByteRec's for MMoE.
 """
 from __future__ import annotations
 
@@ -15,13 +17,11 @@ from deeprec.models.wdl import WDL, WDLConfig
 
 MODELS = {"dlrm": (DLRM, DLRMConfig), "deepfm": (DeepFM, DeepFMConfig), "wdl": (WDL, WDLConfig),
           "din": (DIN, DINConfig), "dien": (DIEN, DIENConfig), "dssm": (DSSM, DSSMConfig), "mmoe": (MMoE, MMoEConfig)}
-SCHEMA_MODELS = ("din", "dien", "dssm", "mmoe")  # built over a dataset schema
-DEFAULT_PRESET = {"din": "behavior", "dien": "behavior", "dssm": "behavior", "mmoe": "byterec"}
 
 
 def build_model(name: str, schema=None, **overrides):
-    """Model by name with its default config, fields overridden by keyword; the
-    schema models take `schema` (a Schema; default: their synthetic/real preset)."""
+    """Model by name with its default config, fields overridden by keyword, over
+    `schema` (a Schema; default: the model's preset)."""
     from deeprec.errors import ConfigError, check_choice
 
     check_choice("model", name, tuple(MODELS))
@@ -30,13 +30,8 @@ def build_model(name: str, schema=None, **overrides):
         config = config_cls(**overrides)
     except TypeError as err:
         raise ConfigError(f"model {name!r}: {err}") from None
-    if name in SCHEMA_MODELS:
-        return cls(config, schema=schema)
-    if schema is not None and getattr(schema, "name", "Criteo") != "Criteo":
-        raise ConfigError(f"model {name!r} reads the Criteo columns; for {schema.name} data use one of "
-                          f"{', '.join(SCHEMA_MODELS)}")
-    return cls(config)
+    return cls(config, schema=schema)
 
 
 __all__ = ["DLRM", "DLRMConfig", "DeepFM", "DeepFMConfig", "WDL", "WDLConfig", "DIN", "DINConfig", "DIEN",
-           "DIENConfig", "DSSM", "DSSMConfig", "MMoE", "MMoEConfig", "MODELS", "SCHEMA_MODELS", "build_model"]
+           "DIENConfig", "DSSM", "DSSMConfig", "MMoE", "MMoEConfig", "MODELS", "build_model"]

@@ -32,6 +32,7 @@ class DIENConfig:
     top: tuple[int, ...] = (200, 80)
     batch_norm: bool = True
     aux_weight: float = 1.0
+    embedding: str = "table"  # table | variable | torch
     label: str | None = None
 
 
@@ -65,7 +66,8 @@ class DIEN(nn.Module):
         self.config = config = config or DIENConfig(**overrides)
         self.schema = schema or BEHAVIOR_SCHEMA
         self.label_columns = label_columns(self.schema, config.label)
-        self.inputs = BehaviorInputs(self.schema, config.embedding_dim, config.hash_buckets, config.max_length)
+        self.inputs = BehaviorInputs(self.schema, config.embedding_dim, config.hash_buckets, config.max_length,
+                                     config.embedding)
         width = self.inputs.key_width
         self.extractor = nn.GRU(width, width, batch_first=True)
         self.auxiliary = MLP(2 * width, config.auxiliary, out=1)

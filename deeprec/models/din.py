@@ -31,6 +31,7 @@ class DINConfig:
     attention: tuple[int, ...] = (80, 40)
     top: tuple[int, ...] = (200, 80)
     batch_norm: bool = True
+    embedding: str = "table"  # table | variable | torch
     label: str | None = None  # default: the schema's first label
 
 
@@ -58,9 +59,9 @@ class AttentionPooling(nn.Module):
 class BehaviorInputs(nn.Module):
     """The user side, the target item (query) and the history (keys) of a schema."""
 
-    def __init__(self, schema: Schema, dim: int, hash_buckets: int, max_length: int):
+    def __init__(self, schema: Schema, dim: int, hash_buckets: int, max_length: int, embedding: str = "table"):
         super().__init__()
-        self.embedder = FeatureEmbedder(schema, dim, hash_buckets, max_length)
+        self.embedder = FeatureEmbedder(schema, dim, hash_buckets, max_length, embedding=embedding)
         self.history = self.embedder.columns("sequence")
         if not self.history:
             raise ConfigError(f"the {schema.name} schema has no sequence column: DIN/DIEN need a behaviour history")
@@ -84,15 +85,15 @@ class BehaviorInputs(nn.Module):
 
     def forward(self, batch: dict):
         e = self.embedder
-        items = {name: e.categorical(batch, name) for name in self.items}
+        embedded = e(batch)
+        items = {name: e.column(embedded, name) for name in self.items}
         item = torch.cat(list(items.values()), dim=1)
         query = torch.cat([items[p] for p in self.paired], dim=1) if self.paired else self.project(item)
-        sequences = [e.sequence(batch, name) for name in self.history]
-        keys = torch.cat([s for s, _ in sequences], dim=-1)
-        mask = sequences[0][1]
-        side = [e.categorical(batch, name) for name in self.users] + [item]
+        keys = torch.cat([embedded.sequences[name] for name in self.history], dim=-1)
+        mask = embedded.masks[self.history[0]]
+        side = [e.column(embedded, name) for name in self.users] + [item]
         if self.dense:
-            side.append(torch.stack([e.dense(batch, name) for name in self.dense], dim=1))
+            side.append(embedded.dense)
         return query, keys, mask, side
 
 
@@ -104,7 +105,8 @@ class DIN(nn.Module):
         self.config = config = config or DINConfig(**overrides)
         self.schema = schema or BEHAVIOR_SCHEMA
         self.label_columns = label_columns(self.schema, config.label)
-        self.inputs = BehaviorInputs(self.schema, config.embedding_dim, config.hash_buckets, config.max_length)
+        self.inputs = BehaviorInputs(self.schema, config.embedding_dim, config.hash_buckets, config.max_length,
+                                     config.embedding)
         self.attention = AttentionPooling(self.inputs.key_width, config.attention)
         self.top = MLP(self.inputs.top_width, config.top, out=1, batch_norm=config.batch_norm)
 

@@ -1,7 +1,7 @@
-"""DLRM (Naumov et al. 2019) with DeepRec modelzoo sizes.
+"""DLRM (Naumov et al. 2019) with DeepRec modelzoo sizes, over any schema (default: Criteo's).
 
-    raw batch -> dense: fill, log -> bottom MLP 512-256-64-16 --+
-              -> 26 x hash -> embeddings (dim 16) ---------------+-> pairwise dots -> top MLP 512-256 -> logit
+    raw batch -> dense columns: fill, log -> bottom MLP 512-256-64-16 --+
+              -> categorical columns -> embeddings (dim 16) ------------+-> pairwise dots -> top MLP 512-256 -> logit
 """
 from __future__ import annotations
 
@@ -10,19 +10,21 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from deeprec.models.common import (MLP, bucket_sizes, categorical_ids, click_head, dense_features, embed,
-                                   make_sparse_layer)
+from deeprec.data.schema import Schema
+from deeprec.models.common import MLP
+from deeprec.models.features import FeatureEmbedder, binary_head, label_columns, masked_mean
 
 
 @dataclass
 class DLRMConfig:
     embedding_dim: int = 16
-    hash_buckets: int | tuple[int, ...] = 10000  # per feature, as DeepRec's modelzoo
+    hash_buckets: int | tuple[int, ...] = 10000  # per categorical column, as DeepRec's modelzoo
     bottom_mlp: tuple[int, ...] = (512, 256, 64, 16)
     top_mlp: tuple[int, ...] = (512, 256)
     batch_norm: bool = False
     embedding: str = "table"  # table | variable (EmbeddingVariable, no buckets) | torch (nn.Embedding)
     sparse_grad: bool = True  # embedding="torch": nn.Embedding(sparse=True)
+    label: str | None = None  # default: the schema's first label
 
     def __post_init__(self):
         if self.bottom_mlp[-1] != self.embedding_dim:
@@ -31,22 +33,30 @@ class DLRMConfig:
 
 
 class DLRM(nn.Module):
-    def __init__(self, config: DLRMConfig | None = None, **overrides):
+    def __init__(self, config: DLRMConfig | None = None, schema: Schema | None = None, **overrides):
         super().__init__()
+        from deeprec.data.presets import CRITEO_SCHEMA
+
         self.config = config = config or DLRMConfig(**overrides)
-        self.sizes = bucket_sizes(config.hash_buckets)
-        self.embeddings = make_sparse_layer(config.embedding, self.sizes, config.embedding_dim, config.sparse_grad)
-        self.bottom = MLP(13, config.bottom_mlp, batch_norm=config.batch_norm)
-        n = len(self.sizes) + 1
+        self.schema = schema or CRITEO_SCHEMA
+        self.label_columns = label_columns(self.schema, config.label)
+        self.embeddings = FeatureEmbedder(self.schema, config.embedding_dim, config.hash_buckets,
+                                          embedding=config.embedding, sparse_grad=config.sparse_grad)
+        n_dense = len(self.embeddings.dense)
+        self.bottom = MLP(n_dense, config.bottom_mlp, batch_norm=config.batch_norm) if n_dense else None
+        n = len(self.embeddings.categorical) + len(self.embeddings.sequences) + (1 if n_dense else 0)
         rows, cols = torch.tril_indices(n, n, offset=-1)
         self.register_buffer("pair_rows", rows, persistent=False)
         self.register_buffer("pair_cols", cols, persistent=False)
-        self.top = MLP(config.embedding_dim + n * (n - 1) // 2, config.top_mlp, out=1)
+        width = (config.embedding_dim if n_dense else 0) + n * (n - 1) // 2
+        self.top = MLP(width, config.top_mlp, out=1)
 
     def forward(self, batch: dict) -> dict:
-        dense = self.bottom(dense_features(batch))
-        ids = categorical_ids(batch, self.config.embedding, self.sizes)
-        vectors = torch.cat([dense.unsqueeze(1), embed(self.embeddings, ids)], dim=1)
+        e = self.embeddings(batch)
+        vectors = [e.categorical] + [masked_mean(e.sequences[s], e.masks[s]).unsqueeze(1) for s in e.sequences]
+        dense = [] if self.bottom is None else [self.bottom(e.dense)]
+        vectors = torch.cat([d.unsqueeze(1) for d in dense] + vectors, dim=1)
         dots = torch.bmm(vectors, vectors.transpose(1, 2))[:, self.pair_rows, self.pair_cols]
-        logits = self.top(torch.cat([dense, dots], dim=1)).squeeze(1)
-        return click_head(logits, batch)
+        logits = self.top(torch.cat([*dense, dots], dim=1)).squeeze(1)
+        return binary_head(logits, batch, self.label_columns[0])
+

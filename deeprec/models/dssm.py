@@ -18,7 +18,7 @@ from torch import nn
 from deeprec.data.schema import Schema
 from deeprec.errors import ConfigError, check_choice
 from deeprec.models.common import MLP
-from deeprec.models.features import FeatureEmbedder, binary_head, label_columns
+from deeprec.models.features import Embedded, FeatureEmbedder, binary_head, label_columns
 
 
 @dataclass
@@ -29,6 +29,7 @@ class DSSMConfig:
     tower: tuple[int, ...] = (256, 128)
     output_dim: int = 64
     similarity: str = "cosine"  # cosine | dot
+    embedding: str = "table"  # table | variable | torch
     label: str | None = None
 
     def __post_init__(self):
@@ -38,14 +39,14 @@ class DSSMConfig:
 class Tower(nn.Module):
     def __init__(self, embedder: FeatureEmbedder, role: str, hidden, out: int):
         super().__init__()
-        self.embedder = embedder
+        self.flat = embedder.flat  # the shared layer's view; its parameters belong to the DSSM once
         self.categorical = embedder.columns("categorical", role)
         self.sequences = embedder.columns("sequence", role)
         self.dense = embedder.columns("dense", role)
         self.mlp = MLP(embedder.flat_width(self.categorical, self.sequences, self.dense), hidden, out=out)
 
-    def forward(self, batch: dict) -> torch.Tensor:
-        return self.mlp(self.embedder.flat(batch, self.categorical, self.sequences, self.dense))
+    def forward(self, embedded: Embedded) -> torch.Tensor:
+        return self.mlp(self.flat(embedded, self.categorical, self.sequences, self.dense))
 
 
 class DSSM(nn.Module):
@@ -59,14 +60,16 @@ class DSSM(nn.Module):
         for role in ("user", "item"):
             if not any(c.role == role and c.kind in ("categorical", "sequence", "dense") for c in self.schema.columns):
                 raise ConfigError(f"DSSM needs columns with role={role!r} in the {self.schema.name} schema")
-        embedder = FeatureEmbedder(self.schema, config.embedding_dim, config.hash_buckets, config.max_length)
-        self.user_tower = Tower(embedder, "user", config.tower, config.output_dim)
-        self.item_tower = Tower(embedder, "item", config.tower, config.output_dim)
+        self.embedder = FeatureEmbedder(self.schema, config.embedding_dim, config.hash_buckets, config.max_length,
+                                        embedding=config.embedding)
+        self.user_tower = Tower(self.embedder, "user", config.tower, config.output_dim)
+        self.item_tower = Tower(self.embedder, "item", config.tower, config.output_dim)
         self.scale = nn.Parameter(torch.tensor(5.0))
         self.bias = nn.Parameter(torch.zeros(()))
 
     def forward(self, batch: dict) -> dict:
-        user, item = self.user_tower(batch), self.item_tower(batch)
+        embedded = self.embedder(batch)
+        user, item = self.user_tower(embedded), self.item_tower(embedded)
         if self.config.similarity == "cosine":
             similarity = self.scale * F.cosine_similarity(user, item, dim=1)
         else:

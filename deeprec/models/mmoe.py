@@ -28,6 +28,7 @@ class MMoEConfig:
     num_experts: int = 4
     expert: tuple[int, ...] = (256, 128)
     tower: tuple[int, ...] = (64,)
+    embedding: str = "table"  # table | variable | torch
 
 
 class MMoE(nn.Module):
@@ -38,7 +39,8 @@ class MMoE(nn.Module):
         self.config = config = config or MMoEConfig(**overrides)
         self.schema = schema or BYTEREC_SCHEMA
         self.label_columns = self.schema.labels
-        self.embedder = e = FeatureEmbedder(self.schema, config.embedding_dim, config.hash_buckets, config.max_length)
+        self.embedder = e = FeatureEmbedder(self.schema, config.embedding_dim, config.hash_buckets, config.max_length,
+                                           embedding=config.embedding)
         self.categorical, self.sequences = e.columns("categorical"), e.columns("sequence")
         self.dense = e.columns("dense")
         width = e.flat_width(self.categorical, self.sequences, self.dense)
@@ -47,7 +49,7 @@ class MMoE(nn.Module):
         self.towers = nn.ModuleList(MLP(config.expert[-1], config.tower, out=1) for _ in self.label_columns)
 
     def forward(self, batch: dict) -> dict:
-        x = self.embedder.flat(batch, self.categorical, self.sequences, self.dense)
+        x = self.embedder.flat(self.embedder(batch), self.categorical, self.sequences, self.dense)
         experts = torch.stack([expert(x) for expert in self.experts], dim=1)  # [B, K, H]
         logits = []
         for gate, tower in zip(self.gates, self.towers):

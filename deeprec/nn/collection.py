@@ -1,13 +1,19 @@
 """`EmbeddingCollection`: the embeddings of many features in one fused lookup.
 
-    forward({feature: ids}) = FusedLookup(prepare_bags(ids))      -> [B, F, D]
+    forward({feature: ids}) = FusedLookup(prepare_bags(ids))   -> pooled [B, F, D]
+                                                                 (+ {sequence feature: [B, L, D]})
 
 `prepare_bags` is a pure op (SmartStage runs it ahead with the rest of the
 data side); `FusedLookup` is one graph node holding the tables. Fixed-size
 tables are rows of one flat tensor (one gather for all features);
-EmbeddingVariables map keys to rows first. The backward of the gather applies
-the attached row-sparse optimizer to the unique rows only (fused), or, with
-`fused=False`, keeps the gradients until `step()` (micro-batching).
+EmbeddingVariables map keys to rows first. A feature may share another's table
+(`table=`: a behaviour sequence embedded with its item column); keys are then
+deduplicated per table, so a row is read once and updated once. A sequence
+feature (`pooled=False`) keeps one vector per position instead of pooling.
+The backward of the gather applies the attached row-sparse optimizer to the
+unique rows only (fused), or, with `fused=False`, keeps the gradients until
+`step()` (micro-batching). On parameter servers the lookup is swapped for
+`deeprec.distributed.worker.RemoteLookup`, which has the same inputs and outputs.
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ import torch
 from torch import nn
 
 from deeprec.errors import ConfigError, check_choice
-from deeprec.nn.lookup import COMBINERS, Ragged, RowGather, pool_bags, prepare_bags
+from deeprec.nn.lookup import COMBINERS, Ragged, RowGather, assemble, merge_shared_tables, prepare_bags
 from deeprec.nn.options import EmbeddingVariableOption
 from deeprec.nn.variable import EmbeddingVariable, EVTable
 from deeprec.optim.sparse import RowSparseOptimizer, merge_rows
@@ -26,41 +32,54 @@ from deeprec.optim.sparse import RowSparseOptimizer, merge_rows
 
 @dataclass
 class EmbeddingFeature:
-    """One feature of a collection. `num_embeddings=None` makes it an EmbeddingVariable."""
+    """One feature of a collection. `num_embeddings=None` makes it an EmbeddingVariable.
+
+    table: look up the table of that (earlier declared) feature instead of owning one.
+    pooled: False for a sequence: ids [B, L] (negative = padding) -> [B, L, D].
+    """
 
     name: str
     num_embeddings: int | None = None
     combiner: str = "sum"
     fill_id: int | None = None  # an empty bag looks up this id; None: the bag pools to zeros
     ev_option: EmbeddingVariableOption | None = None
+    table: str | None = None
+    pooled: bool = True
 
     def __post_init__(self):
         check_choice(f"EmbeddingFeature({self.name!r}).combiner", self.combiner, COMBINERS)
+        if not self.pooled and self.fill_id is not None:
+            raise ConfigError(f"EmbeddingFeature({self.name!r}): a sequence feature (pooled=False) keeps its "
+                              "padding empty; fill_id applies to pooled features")
 
 
 class FusedLookup(nn.Module):
-    """The stateful half of the lookup: tables, optimizer state, gradient sink."""
+    """The stateful half of the lookup: tables, optimizer state, gradient sink.
+
+    `tables`: the features that own a table, in table order; `num_pooled`: how many of
+    the looked-up features (pooled ones first) pool their bags."""
 
     _deeprec_leaf = True  # captured as one node (deeprec.graph.capture)
     _deeprec_stateful = True  # inserts keys and takes updates: never staged (deeprec.graph.smart_stage)
 
-    def __init__(self, features: list[EmbeddingFeature], dim: int, max_norm: float | None, init_bound: float):
+    def __init__(self, tables: list[EmbeddingFeature], dim: int, max_norm: float | None, init_bound: float,
+                 num_pooled: int | None = None):
         super().__init__()
-        self.features, self.dim, self.max_norm = features, dim, max_norm
-        self.dynamic = [f.num_embeddings is None for f in features]
+        self.features, self.dim, self.max_norm = tables, dim, max_norm
+        self.num_pooled = len(tables) if num_pooled is None else num_pooled
+        self.dynamic = [f.num_embeddings is None for f in tables]
         if any(self.dynamic) and not all(self.dynamic):
             raise ConfigError("an EmbeddingCollection holds either fixed-size tables or EmbeddingVariables, "
                               "not both: make two collections")
         self.optimizer: RowSparseOptimizer | None = None
-        self.remote = None  # deeprec.distributed.worker.RemoteTables: rows live on parameter servers
         self.fused = True
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self._token = torch.zeros(0, requires_grad=True)  # makes autograd call RowGather.backward
         if all(self.dynamic):
             self.variables = nn.ModuleList(EmbeddingVariable(dim, ev_option=f.ev_option, name=f.name)
-                                           for f in features)
+                                           for f in tables)
         else:
-            sizes = [f.num_embeddings for f in features]
+            sizes = [f.num_embeddings for f in tables]
             self.register_buffer("table_offsets", torch.tensor([0] + sizes[:-1]).cumsum(0), persistent=False)
             self.register_buffer("table_sizes", torch.tensor(sizes), persistent=False)
             self.weight = nn.Parameter(torch.empty(sum(sizes), dim).uniform_(-init_bound, init_bound),
@@ -84,7 +103,7 @@ class FusedLookup(nn.Module):
 
     def _receive(self, part: int, rows: torch.Tensor, grad: torch.Tensor, begin: bool = True) -> None:
         """`begin`: this gradient is the step's first (a collection of EmbeddingVariables hands
-        one per feature to the same backward; the optimizer step begins once)."""
+        one per table to the same backward; the optimizer step begins once)."""
         if self.optimizer is None:
             if all(self.dynamic):
                 raise RuntimeError("an EmbeddingCollection of EmbeddingVariables needs a row-sparse optimizer: "
@@ -101,7 +120,7 @@ class FusedLookup(nn.Module):
             self._pending.append((part, rows, grad))
 
     def _apply(self, part: int, rows: torch.Tensor, grad: torch.Tensor, unique: bool = True) -> None:
-        """`unique`: the rows of one lookup are distinct already (per-feature unique
+        """`unique`: the rows of one lookup are distinct already (per-table unique
         keys in disjoint row ranges); gradients gathered over several backwards are not."""
         if not unique:
             rows, grad = merge_rows(rows, grad)
@@ -112,6 +131,10 @@ class FusedLookup(nn.Module):
         else:
             self.optimizer.update(self.weight.data, self._slots(), rows, grad)
             self.optimizer_step.fill_(self.optimizer.step_count)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending)
 
     def step(self) -> None:
         """Apply the gradients kept since the last step (fused=False): rows seen in
@@ -130,14 +153,10 @@ class FusedLookup(nn.Module):
         self._pending.clear()
 
     # -- lookup ------------------------------------------------------------------------------
-    def forward(self, uniques, inverse, offsets, weights, counts):
-        batch = (offsets.numel() - 1) // len(self.features)
-        if self.remote is not None:
-            values = self.remote.pull(uniques, train=self.training)
-            index = torch.arange(values.shape[0])
-            rows_values = RowGather.apply(self._token, values, index, self.remote.receive)
-        elif all(self.dynamic):
-            gathered, began = [], []  # the first part's gradient of this backward begins the optimizer step
+    def forward(self, uniques, inverse, offsets, weights, counts, masks=()):
+        """Unique keys per table -> pooled [B, P, D] (and the sequence features' [B, L, D])."""
+        if all(self.dynamic):
+            gathered, began = [], []  # the first table's gradient of this backward begins the optimizer step
 
             def sink(r, g, part):
                 self._receive(part, r, g, begin=not began)
@@ -151,14 +170,14 @@ class FusedLookup(nn.Module):
             keys = torch.cat(uniques)
             counts = torch.tensor([k.numel() for k in uniques])
             limits = torch.repeat_interleave(self.table_sizes, counts)
-            if bool((keys >= limits).any()):  # one vectorized range check for all features
+            if bool((keys >= limits).any()):  # one vectorized range check for all tables
                 f = int(torch.repeat_interleave(torch.arange(len(uniques)), counts)[keys >= limits][0])
                 raise IndexError(f"feature {self.features[f].name!r}: id {int(uniques[f].max())} is out of "
                                  f"range [0, {self.features[f].num_embeddings})")
             rows = keys + torch.repeat_interleave(self.table_offsets, counts)
             rows_values = RowGather.apply(self._token, self.weight.data, rows,
                                           lambda r, g: self._receive(0, r, g))
-        return pool_bags(rows_values, inverse, offsets, weights, batch, self.max_norm)
+        return assemble(rows_values, inverse, offsets, weights, masks, self.num_pooled, self.max_norm)
 
     def get_extra_state(self):
         return {"optimizer": self.optimizer.state_dict() if self.optimizer else None}
@@ -175,6 +194,9 @@ class EmbeddingCollection(nn.Module):
     = no id) or `Ragged(values, offsets)`. Invalid (negative) ids are pruned,
     empty bags filled (`fill_id`) or zero, ids deduplicated, rows gathered once,
     and bags pooled with each feature's combiner (sum | mean | sqrtn).
+
+    With sequence features (`pooled=False`, ids [B, L], negative = padding) the
+    result is `(pooled [B, F, D], {sequence name: [B, L, D]})`, padding zero.
     """
 
     def __init__(self, features: list[EmbeddingFeature], embedding_dim: int, *, max_norm: float | None = None,
@@ -183,10 +205,21 @@ class EmbeddingCollection(nn.Module):
         names = [f.name for f in features]
         if len(set(names)) != len(names):
             raise ConfigError(f"feature names must be unique, got {names}")
-        self.names = names
-        self.combiners = tuple(f.combiner for f in features)
-        self.fill_ids = tuple(f.fill_id for f in features)
-        self.lookup = FusedLookup(features, embedding_dim, max_norm, init_bound)
+        owners = [f for f in features if f.table is None]
+        owner_index = {f.name: t for t, f in enumerate(owners)}
+        for f in features:
+            if f.table is not None and f.table not in owner_index:
+                raise ConfigError(f"EmbeddingFeature({f.name!r}).table={f.table!r} must name a feature of the "
+                                  f"collection that owns its table ({', '.join(owner_index)})")
+        ordered = [f for f in features if f.pooled] + [f for f in features if not f.pooled]
+        self.names = [f.name for f in ordered if f.pooled]  # the pooled output's feature order
+        self.sequence_names = [f.name for f in ordered if not f.pooled]
+        self._order = [f.name for f in ordered]
+        self.combiners = tuple(f.combiner for f in ordered)
+        self.fill_ids = tuple(f.fill_id for f in ordered)
+        table_of = tuple(owner_index[f.table if f.table is not None else f.name] for f in ordered)
+        self.table_of = None if table_of == tuple(range(len(ordered))) else table_of  # else keys merge per table
+        self.lookup = FusedLookup(owners, embedding_dim, max_norm, init_bound, num_pooled=len(self.names))
 
     def set_optimizer(self, optimizer: RowSparseOptimizer, fused: bool = True) -> "EmbeddingCollection":
         self.lookup.attach(optimizer, fused)
@@ -199,10 +232,21 @@ class EmbeddingCollection(nn.Module):
         super().zero_grad(set_to_none)
         self.lookup.zero_grad()
 
-    def forward(self, ids) -> torch.Tensor:
-        ordered = [ids[name] for name in self.names] if isinstance(ids, dict) else list(ids)
+    def forward(self, ids):
+        ordered = [ids[name] for name in self._order] if isinstance(ids, dict) else list(ids)
         uniques, inverse, offsets, weights, counts = prepare_bags(ordered, self.combiners, self.fill_ids)
-        return self.lookup(uniques, inverse, offsets, weights, counts)
+        if self.table_of is not None:  # shared tables: one key set per table
+            uniques, inverse, counts = merge_shared_tables(uniques, inverse, counts, self.table_of)
+        if not self.sequence_names:
+            return self.lookup(uniques, inverse, offsets, weights, counts)
+        sequences = ordered[len(self.names):]
+        for name, seq in zip(self.sequence_names, sequences):
+            if isinstance(seq, tuple):
+                raise ConfigError(f"sequence feature {name!r} takes padded ids [B, L] (negative = padding), "
+                                  "not a Ragged: deeprec.ops.pad_ragged(ragged, max_length, -1)")
+        masks = tuple(seq >= 0 for seq in sequences)
+        pooled, sequences = self.lookup(uniques, inverse, offsets, weights, counts, masks)
+        return pooled, {name: sequences[s] for s, name in enumerate(self.sequence_names)}  # indexed: fx-traceable
 
 
 def fused_safe_embedding_lookup_sparse(collection: EmbeddingCollection, ids) -> torch.Tensor:

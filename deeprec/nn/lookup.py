@@ -4,7 +4,8 @@
         per-feature unique keys, global inverse, bag offsets, combiner weights
     ──RowGather (one gather; its backward hands the unique rows' gradient to a
       row-sparse optimizer, fused)──> rows [U, D]
-    ──max_norm, embedding_bag(sum, per-sample weights)──> [B, F, D]
+    ──max_norm, embedding_bag(sum, per-sample weights)──> [B, F, D] pooled features
+                ──per-position gather (padding -> a zero row)──> [B, L, D] sequence features
 
 Combiners are per-sample weights of one "sum" bag reduction: sum -> 1,
 mean -> 1/n, sqrtn -> 1/sqrt(n); autograd differentiates them (so sqrtn's
@@ -80,14 +81,66 @@ class RowGather(torch.autograd.Function):
         return None, None, None, None
 
 
-def pool_bags(rows: torch.Tensor, inverse, offsets, weights, batch: int, max_norm: float | None):
-    """[F*B bags] -> [B, F, D] with optional max_norm clipping of each looked-up row."""
+@op
+def merge_shared_tables(uniques: Sequence[torch.Tensor], inverse: torch.Tensor, counts: Sequence[torch.Tensor],
+                        table_of: Sequence[int]):
+    """Per-feature unique keys -> per-table unique keys, for features that share a table
+    (a behaviour sequence embedded with its item column): a row is gathered once and its
+    gradients summed into one update. `inverse` is remapped onto the tables' rows."""
+    num_tables = max(table_of) + 1
+    table_keys, table_counts, local = [], [], [None] * len(uniques)
+    for t in range(num_tables):
+        members = [f for f, owner in enumerate(table_of) if owner == t]
+        if len(members) == 1:
+            f = members[0]
+            table_keys.append(uniques[f])
+            table_counts.append(counts[f])
+            local[f] = torch.arange(uniques[f].numel(), device=inverse.device)
+            continue
+        keys, where = torch.unique(torch.cat([uniques[f] for f in members]), return_inverse=True)
+        table_keys.append(keys)
+        table_counts.append(torch.zeros(keys.numel(), dtype=torch.long, device=keys.device)
+                            .index_add_(0, where, torch.cat([counts[f] for f in members]).long()))
+        for f, part in zip(members, where.split([uniques[f].numel() for f in members])):
+            local[f] = part
+    starts = [0]
+    for keys in table_keys:
+        starts.append(starts[-1] + keys.numel())
+    row_of = torch.cat([local[f] + starts[t] for f, t in enumerate(table_of)])
+    return tuple(table_keys), row_of[inverse], tuple(table_counts)
+
+
+def assemble(rows: torch.Tensor, inverse, offsets, weights, masks: Sequence[torch.Tensor], num_pooled: int,
+             max_norm: float | None):
+    """Looked-up rows [U, D] -> the pooled features' [B, P, D] (the first P features' bags) and
+    each sequence feature's [B, L, D] (its valid positions, in order; padding reads a zero row).
+    Bags are feature-major: feature f's bags are offsets[f*B : (f+1)*B + 1]."""
+    num_features = num_pooled + len(masks)
+    batch = (offsets.numel() - 1) // num_features
     if max_norm is not None:
         norms = rows.norm(dim=1, keepdim=True).clamp_min(1e-12)
         rows = rows * (max_norm / norms).clamp(max=1.0)
-    if inverse.numel() == offsets.numel() - 1:  # one id in every bag: pooling is a gather
-        pooled = rows.index_select(0, inverse)
+    dim = rows.shape[1]
+    end = num_pooled * batch
+    if num_pooled == 0:
+        pooled = rows.new_zeros(batch, 0, dim)
     else:
-        pooled = torch.nn.functional.embedding_bag(inverse, rows, offsets, mode="sum",
-                                                   per_sample_weights=weights, include_last_offset=True)
-    return pooled.view(-1, batch, rows.shape[1]).transpose(0, 1)
+        ids_end = int(offsets[end]) if masks else inverse.numel()
+        bag_inverse, bag_offsets = inverse[:ids_end], offsets[:end + 1]
+        if bag_inverse.numel() == end:  # one id in every bag: pooling is a gather
+            flat = rows.index_select(0, bag_inverse)
+        else:
+            flat = torch.nn.functional.embedding_bag(bag_inverse, rows, bag_offsets, mode="sum",
+                                                     per_sample_weights=weights[:ids_end], include_last_offset=True)
+        pooled = flat.view(num_pooled, batch, dim).transpose(0, 1)
+    if not masks:
+        return pooled
+    padded = torch.cat([rows, rows.new_zeros(1, dim)])  # row U: what padding reads
+    sequences = []
+    for s, mask in enumerate(masks):
+        f = num_pooled + s
+        start, stop = int(offsets[f * batch]), int(offsets[(f + 1) * batch])
+        index = torch.full((mask.numel(),), rows.shape[0], dtype=torch.long, device=rows.device)
+        index[mask.reshape(-1)] = inverse[start:stop]
+        sequences.append(padded.index_select(0, index).view(*mask.shape, dim))
+    return pooled, tuple(sequences)

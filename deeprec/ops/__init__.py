@@ -34,7 +34,7 @@ from deeprec.ragged import Ragged
 __all__ = [
     "op", "is_op", "is_stateful_op", "HASHES", "string_to_hash_bucket", "string_to_hash_key",
     "fill_missing", "log_normalize", "bucketize", "cross_hash_bucket", "dedup",
-    "hash_ragged", "truncate_ragged", "pad_ragged", "id_to_bucket",
+    "hash_ragged", "ragged_keys", "truncate_ragged", "pad_ragged", "id_to_bucket",
 ]
 
 HASHES = ("siphash", "farmhash")
@@ -130,4 +130,4 @@ def dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ops.deeprec.dedup(ids)
 
 
-from deeprec.ops.sequence import hash_ragged, id_to_bucket, pad_ragged, truncate_ragged  # noqa: E402
+from deeprec.ops.sequence import hash_ragged, id_to_bucket, pad_ragged, ragged_keys, truncate_ragged  # noqa: E402

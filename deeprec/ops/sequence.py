@@ -4,6 +4,7 @@ A ragged column is `deeprec.Ragged(values, offsets)`: row b holds
 values[offsets[b]:offsets[b + 1]]; values are int64 ids or a string column (a Ragged of bytes).
 
     hash_ragged(r, n)        values -> bucket ids in [0, n) (strings hashed, ints taken mod n)
+    ragged_keys(r)           values -> 63-bit keys (strings hashed, ints kept): EmbeddingVariable ids
     truncate_ragged(r, L)    keep the last L items of each row (the most recent)
     pad_ragged(r, L, pad)    -> ids [B, L] (items left-aligned, oldest first) and mask [B, L]
 """
@@ -36,6 +37,16 @@ def hash_ragged(r, num_buckets: int, hash: str = "siphash") -> Ragged:
     if isinstance(r.values, Ragged):  # a sequence of strings
         return Ragged(string_to_hash_bucket(r.values, num_buckets, hash), r.offsets)
     return Ragged(torch.remainder(r.values.long(), num_buckets), r.offsets)
+
+
+@op
+def ragged_keys(r, hash: str = "siphash") -> Ragged:
+    from deeprec.ops import string_to_hash_key
+
+    r = _check(r)
+    if isinstance(r.values, Ragged):  # a sequence of strings
+        return Ragged(string_to_hash_key(r.values, hash), r.offsets)
+    return Ragged(r.values.long(), r.offsets)
 
 
 def _kept(offsets: torch.Tensor, max_length: int):
@@ -82,4 +93,4 @@ def id_to_bucket(ids: torch.Tensor, num_buckets: int) -> torch.Tensor:
     return torch.where(ids < 0, torch.zeros_like(ids), torch.remainder(ids, num_buckets))
 
 
-__all__ = ["hash_ragged", "truncate_ragged", "pad_ragged", "id_to_bucket"]
+__all__ = ["hash_ragged", "ragged_keys", "truncate_ragged", "pad_ragged", "id_to_bucket"]
