@@ -1,9 +1,9 @@
 """Training loop: read -> forward (preprocessing inside) -> backward -> update,
 with progress, periodic atomic checkpoints, exact resume and evaluation.
 
-    reader ──batch──> model(batch) ──loss──> backward ──> optimizer.step
+    reader ──batch──> model(batch) ──loss──> backward ──> updater.apply
        │                                                        │
-       └── position saved with model + optimizer every N steps ─┘
+       └── position saved with the updater's state every N steps ─┘
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ from deeprec.data import open_reader, resolve_schema, schema_to_dict
 from deeprec.errors import ConfigError
 from deeprec.models import build_model
 from deeprec.nn import incremental_state_dict
-from deeprec.optim import make_optimizer
 from deeprec.runtime import optimize
+from deeprec.runtime.updater import make_updater
 from deeprec.runtime.memory import tune_malloc
 
 log = logging.getLogger("deeprec.train")
@@ -165,6 +165,13 @@ def evaluate(model: torch.nn.Module, reader) -> dict:
 
 
 class Trainer:
+    """Builds the model over the data's schema, its updater (local or parameter servers),
+    and `deeprec.optimize`'s passes; `train()` runs the loop.
+
+        reader ──fast.train_steps(reader, updater)──> (outputs, reader position) per step
+                   └ before_step, forward, backward, apply: deeprec.runtime.updater
+    """
+
     def __init__(self, cfg: TrainConfig, console: Console | None = None):
         self.cfg = cfg
         self.console = console or Console(stderr=True)
@@ -177,61 +184,41 @@ class Trainer:
         self.model_overrides = dict(cfg.model_overrides)  # as built, and as checkpoints record it
         if cfg.embedding is not None or cfg.ps_addresses:
             self.model_overrides["embedding"] = cfg.embedding or "variable"
-        self.schema = data_schema = resolve_schema(cfg.data, cfg.schema)  # the model is built over the data's columns
-        self.model = build_model(cfg.model, schema=data_schema, **self.model_overrides)
-        self.ps = None
-        if cfg.ps_addresses:  # parameters and their optimizer live on the parameter servers
-            from deeprec.distributed import PSClient
-            from deeprec.distributed.worker import PSSession
-
-            client = PSClient(cfg.ps_addresses, cfg.protocol)
-            client.sync_workers = cfg.num_shards if cfg.sync else 1
-            self.ps = PSSession(self.model, client, cfg.optimizer, cfg.lr)
-            self.optimizer = None
-        else:
-            self.optimizer = make_optimizer(self.model, cfg.optimizer, cfg.lr)
-        self.fast = None
-        if cfg.smart_stage or cfg.multi_stream > 1 or cfg.micro_batch > 1 or cfg.compile or cfg.bf16:
-            self.fast = optimize(self.model, Config(
-                smart_stage=cfg.smart_stage, main_threads=cfg.main_threads, async_embedding=cfg.async_embedding,
-                smart_stage_options=SmartStageOptions(capacity=cfg.capacity, num_threads=cfg.stage_threads,
-                                                      executor=cfg.stage_executor),
-                multi_stream=MultiStreamOptions(cfg.multi_stream, cfg.stream_policy) if cfg.multi_stream > 1 else None,
-                micro_batch_num=cfg.micro_batch, graph_fusion=cfg.compile, bf16=cfg.bf16))
+        self.schema = resolve_schema(cfg.data, cfg.schema)  # the model is built over the data's columns
+        self.model = build_model(cfg.model, schema=self.schema, **self.model_overrides)
+        self.updater = make_updater(self.model, cfg.optimizer, cfg.lr, cfg.ps_addresses, cfg.protocol,
+                                    sync_workers=cfg.num_shards if cfg.sync else 1, worker_index=cfg.shard_index)
+        self.fast = optimize(self.model, Config(
+            smart_stage=cfg.smart_stage, main_threads=cfg.main_threads, async_embedding=cfg.async_embedding,
+            smart_stage_options=SmartStageOptions(capacity=cfg.capacity, num_threads=cfg.stage_threads,
+                                                  executor=cfg.stage_executor),
+            multi_stream=MultiStreamOptions(cfg.multi_stream, cfg.stream_policy) if cfg.multi_stream > 1 else None,
+            micro_batch_num=cfg.micro_batch, graph_fusion=cfg.compile, bf16=cfg.bf16))
         batch_norm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in self.model.modules())
-        self.train_reader, self.eval_reader = make_readers(cfg, data_schema, drop_remainder=batch_norm)
-        self.step = 0
+        self.train_reader, self.eval_reader = make_readers(cfg, self.schema, drop_remainder=batch_norm)
         self._reader_state = self.train_reader.state_dict()  # position of the last batch trained on
         if cfg.resume:
             self._restore()
 
+    @property
+    def step(self) -> int:
+        return self.updater.step
+
     # -- checkpoints ---------------------------------------------------------------
     def state(self) -> dict:
-        state = {"model_name": self.cfg.model, "model_overrides": self.model_overrides, "step": self.step,
-                 "schema": schema_to_dict(self.schema),
-                 "reader": self._reader_state, "torch_rng": torch.get_rng_state()}
-        if self.ps is None:
-            state.update(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
-        elif self.cfg.is_chief:  # the chief snapshots every PS (each row with its slots)
-            self.ps.flush()
-            state["ps"] = self.ps.client.snapshot()
-        return state
-
-    def _checkpoint_dir(self) -> str:
-        """Each PS worker but the chief keeps its reader position in its own folder."""
-        if self.ps is None or self.cfg.is_chief:
-            return self.cfg.checkpoint_dir
-        return os.path.join(self.cfg.checkpoint_dir, f"worker-{self.cfg.shard_index}")
+        return {"model_name": self.cfg.model, "model_overrides": self.model_overrides, "step": self.step,
+                "schema": schema_to_dict(self.schema), "reader": self._reader_state,
+                "torch_rng": torch.get_rng_state(), **self.updater.state_dict()}
 
     def save(self, incremental: bool = False) -> str:
         if incremental:
             with incremental_state_dict():
                 return save_checkpoint(self.cfg.checkpoint_dir, self.step, self.state(), kind="incremental")
-        return save_checkpoint(self._checkpoint_dir(), self.step, self.state())
+        return save_checkpoint(self.updater.checkpoint_dir(self.cfg.checkpoint_dir), self.step, self.state())
 
     def _restore(self) -> None:
         """The latest full checkpoint, then the incremental ones after it, in order."""
-        directory = self._checkpoint_dir()
+        directory = self.updater.checkpoint_dir(self.cfg.checkpoint_dir)
         full = latest_checkpoint(directory)
         base = checkpoint_step(full) if full else -1
         chain = ([full] if full else []) + [p for p in list_checkpoints(directory, "incremental")
@@ -243,18 +230,11 @@ class Trainer:
             state = load_checkpoint(path)
             if state["model_name"] != self.cfg.model:
                 raise ConfigError(f"{path} holds a {state['model_name']!r} model, not {self.cfg.model!r}")
-            if self.ps is None:
-                self.model.load_state_dict(state["model"])  # EmbeddingVariables merge incremental rows
-        if self.ps is None:
-            self.optimizer.load_state_dict(state["optimizer"])
-        elif self.cfg.is_chief:
-            self.ps.client.restore(state["ps"])  # onto however many PSs run now
-        else:
-            self.ps.client.wait_restored(self.ps.client.deadline_s)
+            self.updater.load_state_dict(state)
         self.train_reader.load_state_dict(state["reader"])
         self._reader_state = state["reader"]
         torch.set_rng_state(state["torch_rng"])
-        self.step = int(state["step"])
+        self.updater.step = int(state["step"])
         self.console.print(f"resumed from {', '.join(map(os.path.basename, chain))} at step {self.step}")
 
     # -- loop ------------------------------------------------------------------------
@@ -268,24 +248,16 @@ class Trainer:
                             TimeElapsedColumn(), console=self.console,
                             disable=not (cfg.progress and self.console.is_terminal))
         started = time.perf_counter()
-        with progress, contextlib.closing(self._steps()) as steps:
+        steps = self.fast.train_steps(self.train_reader, self.updater)
+        with progress, contextlib.closing(steps):
             task = progress.add_task("train", total=total, completed=self.step, loss=float("nan"), rate=0.0)
             while total is None or self.step < total:
-                with record_function("deeprec.read+forward+backward"):
-                    out = next(steps, None)  # forward and backward of the next batch (micro-batches)
+                with record_function("deeprec.step"):
+                    out, self._reader_state = next(steps, (None, self._reader_state))
                 if out is None:
                     break
-                with record_function("deeprec.update"):
-                    if self.ps is not None:
-                        self.ps.push(self.step + 1)
-                    else:
-                        self.optimizer.step()
-                        self.optimizer.zero_grad()
-                self.step += 1
                 if self.step - start_step == STEADY_AFTER:
                     steady = (time.perf_counter(), rows + len(out["logits"]))
-                self._reader_state = (self.fast.last_source_state if self.fast is not None
-                                      else self.train_reader.state_dict())
                 rows += len(out["logits"])
                 losses.append(out["loss"].item())
                 rate = rows / max(time.perf_counter() - started, 1e-9)
@@ -296,8 +268,7 @@ class Trainer:
                     self.save()
                 elif cfg.checkpoint_dir and cfg.incremental_every and self.step % cfg.incremental_every == 0:
                     self.save(incremental=True)
-        if self.ps is not None:
-            self.ps.flush()
+        self.updater.finish()
         elapsed = time.perf_counter() - started
         if cfg.checkpoint_dir and self.step > start_step:
             self.save()
@@ -308,44 +279,19 @@ class Trainer:
                   "steady_samples_per_s": ((rows - steady[1]) / (started + elapsed - steady[0])
                                            if steady is not None and rows > steady[1] else None),
                   "bad_rows": self.train_reader.stats.bad_rows}
-        if self.fast is not None and self.fast.prefetch_stats is not None:
+        if self.fast.prefetch_stats is not None:
             result["stage"] = asdict(self.fast.prefetch_stats)
         if self.malloc_note:
             result["malloc"] = self.malloc_note
-        if self.fast is not None and self.fast.bf16_note:
+        if self.fast.bf16_note:
             result["bf16"] = ("on: " if self.fast.config.bf16 else "off: ") + self.fast.bf16_note
-        if self.fast is not None and self.fast.auto_decision is not None:
+        if self.fast.auto_decision is not None:
             result["auto"] = self.fast.auto_decision.summary()
             result["auto_executor"] = self.fast.auto_decision.executor
         if self.eval_reader is not None and cfg.is_chief:
-            if self.ps is not None:
-                self.ps.pull_dense()
+            self.updater.prepare_eval()
             result["eval"] = evaluate(self.model, self.eval_reader)
         return result
-
-
-    def _before_step(self) -> None:
-        if self.ps is not None:
-            with record_function("deeprec.ps.pull"):
-                self.ps.begin_step(self.step + 1)
-                self.ps.pull_dense()
-
-    def _steps(self):
-        """Outputs of each training batch, forward and backward done (optimizer not stepped).
-
-            plain:     read -> [PS pull] -> forward -> backward
-            optimized: fast.iterate(backward=True): stage ahead, micro-batches, streams
-        """
-        if self.fast is not None:
-            yield from self.fast.iterate(self.train_reader, backward=True, before_step=self._before_step)
-            return
-        for batch in self.train_reader:
-            self._before_step()
-            with record_function("deeprec.forward"):
-                out = self.model(batch)
-            with record_function("deeprec.backward"):
-                out["loss"].backward()
-            yield out
 
 
 def train(cfg: TrainConfig, console: Console | None = None) -> dict:

@@ -191,15 +191,15 @@ def test_ps_training_equals_single_process_training(ps_pool, unique_tsv, num_ps)
     addresses, _ = ps_pool(num_ps)
     remote = Trainer(TrainConfig(ps_addresses=addresses, protocol="star_server", **common))
     remote.train()
-    remote.ps.pull_dense()
+    remote.updater.pull_dense()
     for name, p in local.model.named_parameters():
         if p.requires_grad:
-            assert torch.allclose(p, remote.ps.dense[name], atol=1e-5), name
-    client = remote.ps.client
+            assert torch.allclose(p, remote.updater.dense[name], atol=1e-5), name
+    client = remote.updater.client
     for f in range(26):
         ev = local.model.embeddings.collection.lookup.variables[f]
         keys = ev.keys[: ev.size]
-        pulled = client.pull({f"embeddings.C{f + 1}": keys}, train=False)[f"embeddings.C{f + 1}"]
+        pulled = client.pull({f"embeddings.collection.C{f + 1}": keys}, train=False)[f"embeddings.collection.C{f + 1}"]
         assert torch.allclose(pulled, ev.weight[: ev.size], atol=1e-5), f
 
 
@@ -272,12 +272,12 @@ def test_ps_checkpoint_restores_onto_a_different_number_of_ps(ps_pool, unique_ts
     resumed = Trainer(TrainConfig(ps_addresses=three, steps=20, checkpoint_dir=str(tmp_path), resume=True, **common))
     assert resumed.step == 12
     resumed.train()
-    a, b = full.ps.client.snapshot(), resumed.ps.client.snapshot()
+    a, b = full.updater.client.snapshot(), resumed.updater.client.snapshot()
     for key in a:
         if key.startswith("dense/"):
             assert torch.allclose(a[key], b[key], atol=1e-5), key
     for f in range(1, 27):
-        name = f"emb/embeddings.C{f}"
+        name = f"emb/embeddings.collection.C{f}"
         order_a, order_b = torch.argsort(a[f"{name}/keys"]), torch.argsort(b[f"{name}/keys"])
         assert torch.equal(a[f"{name}/keys"][order_a], b[f"{name}/keys"][order_b])
         assert torch.allclose(a[f"{name}/values"][order_a], b[f"{name}/values"][order_b], atol=1e-5), name
@@ -339,7 +339,7 @@ def test_sync_workers_step_together(ps_pool, unique_tsv):
     for t in threads:
         t.join(120)
     assert not any(t.is_alive() for t in threads)
-    a, b = (t.ps.client.snapshot() for t in trainers)
+    a, b = (t.updater.client.snapshot() for t in trainers)
     for key in a:
         if key.startswith(("dense/", "opt/")):
             assert torch.equal(a[key], b[key]), key
@@ -356,7 +356,7 @@ def test_lite_protocol_in_training_saves_round_trips_with_the_same_result(ps_poo
         t = Trainer(TrainConfig(model="dlrm", data=[unique_tsv], steps=10, batch_size=64, optimizer="adagrad",
                                 ps_addresses=addresses, protocol=protocol, model_overrides=small, progress=False))
         t.train()
-        runs[protocol] = (t.ps.client.calls, t.ps.client.snapshot())
+        runs[protocol] = (t.updater.client.calls, t.updater.client.snapshot())
     (calls_star, star), (calls_lite, lite) = runs["star_server"], runs["star_server_lite"]
     assert calls_lite < calls_star
     for key in star:
@@ -380,7 +380,7 @@ def test_async_embedding_pulls_rows_in_the_prefetch(ps_pool, unique_tsv):
             losses = []  # the top layer's outputs (the graph calls submodules, not model.forward)
             t.model.top[-1].register_forward_hook(lambda m, a, out: losses.append(out.abs().sum().item()))
             t.train()
-            remote = t.ps.remotes[0]
+            remote = t.updater.remotes[0]
             runs[lr, async_embedding] = losses, remote.prefetch_hits, remote.direct_pulls
     assert runs[1e-30, True][0] == runs[1e-30, False][0]  # same rows for the same batches
     for lr in (1e-30, 0.05):

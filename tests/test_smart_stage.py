@@ -46,7 +46,7 @@ def test_training_identical_with_and_without_smart_stage(name, embedding, sample
     for (k, a), b in zip(plain.state_dict().items(), staged_model.state_dict().values(), strict=True):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, k
     if embedding == "variable":
-        assert "embeddings_lookup" in fast.partition.kept
+        assert "embeddings_collection_lookup" in fast.partition.kept
 
 
 def test_first_step_outputs_and_gradients_identical(sample):
@@ -175,10 +175,16 @@ def test_untraceable_model_names_the_line_and_suggests_op():
 def test_async_embedding_needs_smart_stage():
     with pytest.raises(dr.ConfigError, match="needs smart_stage=True"):
         dr.Config(async_embedding=True)
-    fast = dr.optimize(build_model("dlrm", embedding="variable"), dr.Config(smart_stage=True, async_embedding=True))
+    from deeprec.distributed.worker import RemoteLookup
+
+    model = build_model("dlrm", embedding="variable")
+    local = model.embeddings.collection.lookup
+    assert dr.optimize(model, dr.Config(smart_stage=True, async_embedding=True)).async_lookups == []  # nothing remote
+    model.embeddings.collection.lookup = RemoteLookup(None, [f.name for f in local.features], local)  # as PSUpdater
+    fast = dr.optimize(model, dr.Config(smart_stage=True, async_embedding=True))
     (lookup, index), = fast.async_lookups  # the lookup's keys come out of the stage
     keys = next(n for n in fast.graph_module.graph.nodes if n.name == fast.partition.cut[index])
-    assert lookup is fast.model.embeddings.collection.lookup
+    assert lookup is model.embeddings.collection.lookup
     assert keys.args[0].target is dr.nn.prepare_bags and keys.args[1] == 0  # prepare_bags' unique keys
 
 
@@ -187,7 +193,7 @@ def test_explain_reports_partition_and_reasons():
     assert "string_to_hash_bucket, " in text and "fill_missing x13" in text  # one hashing op for 26 columns
     assert "prepare_bags" in text.split("main (")[0]  # dedup and bag layout run in the stage
     assert "cut (7 values" in text and "batch['label']" in text and "prepare_bags[1]" in text
-    assert "embeddings_lookup: stateful module embeddings.collection.lookup (FusedLookup)" in text
+    assert "embeddings_collection_lookup: stateful module embeddings.collection.lookup (FusedLookup)" in text
     off = dr.optimize(build_model("dlrm")).explain()
     assert "SmartStage off" in off
 

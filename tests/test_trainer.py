@@ -18,7 +18,7 @@ def _cfg(data, ckpt, small_model, **kw):
 def _assert_same_state(a: Trainer, b: Trainer):
     for (name, p), q in zip(a.model.state_dict().items(), b.model.state_dict().values(), strict=True):
         assert torch.equal(p, q) if isinstance(p, torch.Tensor) else p == q, name
-    sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
+    sa, sb = a.updater.optimizer.state_dict(), b.updater.optimizer.state_dict()
     for oa, ob in zip(sa["optimizers"], sb["optimizers"], strict=True):
         for key in oa["state"]:
             for field, value in oa["state"][key].items():

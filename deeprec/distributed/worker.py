@@ -1,14 +1,18 @@
 """Training a model whose parameters live on the parameter servers.
 
-    step:  pull dense parameters ──> forward (each EmbeddingCollection pulls its
-           rows: one fused call per PS) ──> backward (embedding gradients are
-           captured, not applied) ──> one push of all gradients; the PSs update
+    PSUpdater(model, client) swaps each EmbeddingCollection's lookup for a RemoteLookup
+    (as TorchRec's sharders swap modules) and registers every variable on the PSs:
+
+    step:  before_step: pull dense parameters ──> forward (each RemoteLookup pulls its
+           rows: one fused call per PS) ──> backward (embedding gradients are kept,
+           not applied) ──> apply: one push of all gradients; the PSs update
 
 Embeddings must be EmbeddingVariables (`embedding="variable"`): their keys are
 partitioned over the PSs by `key % 1000 % num_ps`. The optimizer runs on the PSs.
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -16,22 +20,30 @@ from torch import nn
 
 from deeprec.distributed.client import PSClient
 from deeprec.errors import ConfigError
-from deeprec.nn.collection import EmbeddingCollection
+from deeprec.nn.collection import EmbeddingCollection, FusedLookup
+from deeprec.nn.lookup import RowGather, assemble
 from deeprec.optim.sparse import merge_rows
 
 
-class RemoteTables:
-    """Stands in for a collection's EmbeddingVariables: rows come from and go to the PSs.
+class RemoteLookup(nn.Module):
+    """Stands in for a FusedLookup of EmbeddingVariables: same inputs and outputs,
+    rows pulled from and gradients kept for the PSs.
 
     With async embedding, `prefetch` pulls a staged batch's rows from the stage's
-    runner thread; the step's `pull` then finds them instead of calling the PSs."""
+    runner thread; `forward` then finds them instead of calling the PSs."""
 
-    def __init__(self, client: PSClient, names: list[str]):
+    _deeprec_leaf = True  # one graph node, like the FusedLookup it replaces
+    _deeprec_stateful = True
+
+    def __init__(self, client: PSClient, names: list[str], local: FusedLookup):
+        super().__init__()
         self.client, self.names = client, names
+        self.dim, self.max_norm, self.num_pooled = local.dim, local.max_norm, local.num_pooled
         self.pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # one entry per backward
         self._keys: list[torch.Tensor] = []
         self._prefetched: dict[int, tuple[object, torch.Tensor]] = {}  # id(keys) -> (keys, rows)
         self._lock = threading.Lock()
+        self._token = torch.zeros(0, requires_grad=True)
         self.prefetch_hits = self.direct_pulls = 0
 
     def _fetch(self, uniques, train: bool) -> torch.Tensor:
@@ -47,7 +59,7 @@ class RemoteTables:
         with self._lock:
             self._prefetched.clear()
 
-    def pull(self, uniques, train: bool) -> torch.Tensor:
+    def _pull(self, uniques) -> torch.Tensor:
         self._keys = list(uniques)
         with self._lock:
             entry = self._prefetched.pop(id(uniques), None)
@@ -55,45 +67,66 @@ class RemoteTables:
             self.prefetch_hits += 1
             return entry[1]
         self.direct_pulls += 1
-        return self._fetch(self._keys, train)
+        return self._fetch(self._keys, self.training)
 
     def receive(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
-        start = 0  # rows are 0..U-1 in feature order (see FusedLookup.forward)
+        start = 0  # rows are 0..U-1 in table order
         for name, keys in zip(self.names, self._keys):
             n = keys.numel()
             if n:
                 self.pending.setdefault(name, []).append((keys, grad[start:start + n]))
             start += n
 
+    def take_gradients(self) -> dict:
+        """{table: (unique keys, summed gradients)} of every backward since the last call."""
+        grads = {}
+        for name, parts in self.pending.items():  # micro-batches: rows seen in several backwards are merged
+            grads[name] = parts[0] if len(parts) == 1 else merge_rows(torch.cat([k for k, _ in parts]),
+                                                                      torch.cat([g for _, g in parts]))
+        self.pending = {}
+        return grads
 
-class PSSession:
-    """Registers a model's variables on the PSs and runs its pulls and pushes."""
+    def forward(self, uniques, inverse, offsets, weights, counts, masks=()):
+        values = self._pull(uniques)
+        rows = RowGather.apply(self._token, values, torch.arange(values.shape[0]), self.receive)
+        return assemble(rows, inverse, offsets, weights, masks, self.num_pooled, self.max_norm)
 
-    def __init__(self, model: nn.Module, client: PSClient, optimizer: str, lr: float):
-        self.model, self.client = model, client
-        self.remotes: list[RemoteTables] = []
+
+class PSUpdater:
+    """The Updater (deeprec.runtime.updater) of a PS worker: parameters and their
+    optimizer live on the PSs; this worker pulls, computes gradients and pushes them.
+
+    The chief (worker 0) snapshots and restores the PSs; the other workers keep only
+    their reader position, in `worker-<index>` under the checkpoint folder."""
+
+    def __init__(self, model: nn.Module, client: PSClient, optimizer: str, lr: float, *, sync_workers: int = 1,
+                 worker_index: int = 0):
+        self.model, self.client, self.step = model, client, 0
+        self.worker_index, self.is_chief = worker_index, worker_index == 0
+        client.sync_workers = sync_workers
+        self.remotes: list[RemoteLookup] = []
         embeddings, defaults = {}, {}
         for prefix, module in model.named_modules():
             if isinstance(module, EmbeddingCollection):
-                lookup = module.lookup
-                if not all(lookup.dynamic):
+                local = module.lookup
+                if not all(local.dynamic):
                     raise ConfigError("parameter-server training needs EmbeddingVariables: "
                                       "build the model with embedding='variable'")
-                names = [f"{prefix}.{f.name}" for f in lookup.features]
-                remote = RemoteTables(client, names)
-                lookup.remote = remote
-                self.remotes.append(remote)
-                embeddings.update({n: lookup.dim for n in names})
-                defaults.update({n: ev._defaults for n, ev in zip(names, lookup.variables)})
+                names = [f"{prefix}.{f.name}" if prefix else f.name for f in local.features]
+                embeddings.update({n: local.dim for n in names})
+                defaults.update({n: ev._defaults for n, ev in zip(names, local.variables)})
+                module.lookup = RemoteLookup(client, names, local)  # the local tables are dropped
+                self.remotes.append(module.lookup)
         self.dense = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self._deferred = None
         client.wait_ready()
         client.register(embeddings, {n: p.detach() for n, p in self.dense.items()}, optimizer, lr, defaults)
 
-    def begin_step(self, step: int) -> None:
-        """Sync training: this step's pulls wait until the previous step is applied everywhere."""
-        if self.client.sync_workers > 1:
-            self.client.after_step = step - 1
+    # -- the step ------------------------------------------------------------------------
+    def before_step(self) -> None:
+        if self.client.sync_workers > 1:  # sync training: this step's pulls wait for the last update
+            self.client.after_step = self.step
+        self.pull_dense()
 
     def pull_dense(self) -> None:
         if self._deferred is not None:  # star_server_lite: last step's push rides with this pull
@@ -106,25 +139,43 @@ class PSSession:
             for name, p in self.dense.items():
                 p.copy_(values[name])
 
-    def push(self, step: int | None = None) -> None:
+    def apply(self) -> None:
+        self.step += 1
         grads = {}
-        for remote in self.remotes:  # micro-batches: rows seen in several backwards are merged
-            for name, parts in remote.pending.items():
-                grads[name] = parts[0] if len(parts) == 1 else merge_rows(torch.cat([k for k, _ in parts]),
-                                                                          torch.cat([g for _, g in parts]))
-            remote.pending = {}
+        for remote in self.remotes:
+            grads.update(remote.take_gradients())
         for name, p in self.dense.items():
             if p.grad is not None:
                 grads[name] = p.grad.to_dense() if p.grad.is_sparse else p.grad
                 p.grad = None
         if self.client.protocol == "star_server_lite" and self.client.sync_workers <= 1:
-            self._deferred = (grads, step)  # sent with the next step's pull (or by flush)
+            self._deferred = (grads, self.step)  # sent with the next step's pull (or by finish)
         else:
-            self.client.push(grads, step)
+            self.client.push(grads, self.step)
 
-    def flush(self) -> None:
+    def finish(self) -> None:
         """Send a push still held back by star_server_lite (end of training, checkpoints)."""
         if self._deferred is not None:
             grads, step = self._deferred
             self._deferred = None
             self.client.push(grads, step)
+
+    def prepare_eval(self) -> None:
+        self.finish()
+        self.pull_dense()
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        if not self.is_chief:
+            return {}
+        self.finish()
+        return {"ps": self.client.snapshot()}  # every PS's rows with their slots
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.is_chief:
+            self.client.restore(state["ps"])  # onto however many PSs run now
+        else:
+            self.client.wait_restored(self.client.deadline_s)
+
+    def checkpoint_dir(self, base: str) -> str:
+        return base if self.is_chief else os.path.join(base, f"worker-{self.worker_index}")

@@ -155,6 +155,10 @@ class FusedLookup(nn.Module):
     # -- lookup ------------------------------------------------------------------------------
     def forward(self, uniques, inverse, offsets, weights, counts, masks=()):
         """Unique keys per table -> pooled [B, P, D] (and the sequence features' [B, L, D])."""
+        if self._pending and self.fused and self.training:
+            raise RuntimeError("embedding gradients kept over the last step's micro-batches were never applied: "
+                               "step the optimizer of deeprec.optim.make_optimizer (or call collection.step()) "
+                               "after each micro-batched step")
         if all(self.dynamic):
             gathered, began = [], []  # the first table's gradient of this backward begins the optimizer step
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from deeprec.errors import check_choice
 
-OPTIMIZERS = ("adagrad", "adam", "sgd")
+OPTIMIZERS = ("adagrad", "adam", "sgd")  # the names make_optimizer (and `deeprec train --optimizer`) takes
 
 
 def sparse_parameters(model: nn.Module) -> set[int]:
@@ -21,14 +21,18 @@ def sparse_parameters(model: nn.Module) -> set[int]:
 
 
 class OptimizerGroup:
-    """Several torch optimizers stepped as one (state_dict keeps them apart)."""
+    """Several torch optimizers stepped as one (state_dict keeps them apart), and the
+    embedding lookups whose row-sparse update was kept for the step (micro-batching:
+    rows seen in several micro-batches are merged, then updated once)."""
 
-    def __init__(self, optimizers: list[torch.optim.Optimizer]):
-        self.optimizers = optimizers
+    def __init__(self, optimizers: list[torch.optim.Optimizer], lookups: list = ()):
+        self.optimizers, self.lookups = optimizers, list(lookups)
 
     def step(self) -> None:
         for opt in self.optimizers:
             opt.step()
+        for lookup in self.lookups:
+            lookup.step()  # nothing kept (the update ran fused in backward): nothing to do
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:
@@ -42,9 +46,9 @@ class OptimizerGroup:
             opt.load_state_dict(s)
 
 
-def attach_row_sparse(model: nn.Module, name: str, lr: float) -> int:
+def attach_row_sparse(model: nn.Module, name: str, lr: float) -> list:
     """Give every EmbeddingCollection and every free EmbeddingVariable in `model` the row-sparse
-    version of `name` (its update runs fused in the backward); returns how many got one."""
+    version of `name` (its update runs fused in the backward); returns the collections' lookups."""
     from deeprec.nn.collection import EmbeddingCollection
     from deeprec.nn.variable import EmbeddingVariable
     from deeprec.optim import sparse
@@ -58,23 +62,25 @@ def attach_row_sparse(model: nn.Module, name: str, lr: float) -> int:
     free = [m for m in model.modules() if isinstance(m, EmbeddingVariable) and id(m) not in owned]
     for ev in free:  # used as ev(ids): each gets its own row-sparse optimizer
         ev.set_optimizer(kinds[name]())
-    return len(collections) + len(free)
+    return [c.lookup for c in collections]
 
 
 def make_optimizer(model: nn.Module, name: str = "adagrad", lr: float = 0.05) -> OptimizerGroup:
-    """torch.optim for dense parameters; EmbeddingCollections get the row-sparse
-    counterpart attached (so restore a checkpoint after calling this)."""
+    """The optimizer `name` (one of OPTIMIZERS) for all of `model`: torch.optim for dense
+    parameters, and the row-sparse counterpart attached to every EmbeddingCollection and
+    free EmbeddingVariable (so restore a checkpoint after calling this). Its `step()`
+    also applies embedding rows kept over micro-batches."""
     check_choice("optimizer", name, OPTIMIZERS)
-    attach_row_sparse(model, name, lr)
+    lookups = attach_row_sparse(model, name, lr)
     params = [p for p in model.parameters() if p.requires_grad]
     if name == "adagrad":
-        return OptimizerGroup([torch.optim.Adagrad(params, lr=lr, initial_accumulator_value=0.1)])
+        return OptimizerGroup([torch.optim.Adagrad(params, lr=lr, initial_accumulator_value=0.1)], lookups)
     if name == "sgd":
-        return OptimizerGroup([torch.optim.SGD(params, lr=lr)])
+        return OptimizerGroup([torch.optim.SGD(params, lr=lr)], lookups)
     sparse_ids = sparse_parameters(model)
     sparse = [p for p in params if id(p) in sparse_ids]
     dense = [p for p in params if id(p) not in sparse_ids]
     group = [torch.optim.Adam(dense, lr=lr)] if dense else []
     if sparse:
         group.append(torch.optim.SparseAdam(sparse, lr=lr))
-    return OptimizerGroup(group)
+    return OptimizerGroup(group, lookups)

@@ -65,7 +65,7 @@ class OptimizedModel(nn.Module):
         if (config.multi_stream is not None and config.multi_stream.policy != "none") or config.graph_fusion \
                 or config.bf16 or config.tf32:
             self.main_step = MainStep(self.partition.main if self.staged else self.graph_module, config, self.device)
-        self.last_source_state = None  # reader position after the last batch iterate() trained on
+        self.last_source_state = None  # reader position after the last batch iterate() yielded
         self.prefetch_stats = None
         self.auto_decision = None  # SmartStageOptions(executor="auto"): what it picked and why
     @property
@@ -102,9 +102,11 @@ class OptimizedModel(nn.Module):
         return self._accumulate(parts, [batch_rows(p) for p in parts])
 
     def _accumulate(self, items: list, sizes: list[int]) -> dict:
+        """Forward and backward of each micro-batch; embedding rows of a fused lookup are
+        kept over all of them, for the optimizer's step (deeprec.optim.OptimizerGroup)."""
         total, outputs = sum(sizes), []
         deferred = deferred_lookups(self.model) if len(items) > 1 else []
-        for lookup in deferred:  # keep embedding rows until the last micro-batch, then merge
+        for lookup in deferred:
             lookup.fused = False
         try:
             for item, size in zip(items, sizes):
@@ -115,10 +117,16 @@ class OptimizedModel(nn.Module):
         finally:
             for lookup in deferred:
                 lookup.fused = True
-        for lookup in deferred:
-            with record_function("deeprec.embedding_update"):
-                lookup.step()
         return combine_outputs(outputs, sizes)
+
+    def train_steps(self, reader, updater):
+        """The training loop's steps: for each batch, `updater.before_step()`, forward and
+        backward (the stage ahead, micro-batches, streams as configured), `updater.apply()`;
+        yields (outputs, reader position after that batch) once the update is applied."""
+        for out in self.iterate(reader, backward=True, before_step=updater.before_step):
+            with record_function("deeprec.update"):
+                updater.apply()
+            yield out, self.last_source_state
 
     def iterate(self, reader, backward: bool = False, before_step=None):
         """Yield the outputs for each batch of `reader`, the stage running ahead.
@@ -211,8 +219,7 @@ class PrefetchHook:
     def __exit__(self, *exc) -> None:
         self.runner.close()
         for lookup, _ in self.fast.async_lookups:
-            if lookup.remote is not None:
-                lookup.remote.discard_prefetched()  # batches staged but never trained on
+            lookup.discard_prefetched()  # batches staged but never trained on
         torch.set_num_threads(self._saved_threads)
 
     @property
@@ -221,13 +228,12 @@ class PrefetchHook:
 
 
 def _async_lookups(gm: torch.fx.GraphModule, partition: StagePartition | None) -> list:
-    """The embedding lookups whose keys come out of the stage, with their cut index."""
-    from deeprec.nn.collection import FusedLookup
-
+    """The remote embedding lookups (rows on parameter servers: they can `prefetch`)
+    whose keys come out of the stage, with their index in the cut."""
     cut = partition.cut if partition is not None and partition.stage is not None else []
     found = []
     for node in gm.graph.nodes:
-        if node.op == "call_module" and isinstance(gm.get_submodule(node.target), FusedLookup):
+        if node.op == "call_module" and hasattr(gm.get_submodule(node.target), "prefetch"):
             keys = node.args[0]
             if isinstance(keys, torch.fx.Node) and keys.name in cut:
                 found.append((gm.get_submodule(node.target), cut.index(keys.name)))
@@ -238,9 +244,8 @@ def _start_pulls(lookups: list):
     """after_stage callback: pull each remote lookup's rows for the batch just staged."""
     def pull(values: tuple) -> None:
         for lookup, index in lookups:
-            if lookup.remote is not None:
-                with record_function("deeprec.ps.async_pull"):
-                    lookup.remote.prefetch(values[index], train=lookup.training)
+            with record_function("deeprec.ps.async_pull"):
+                lookup.prefetch(values[index], train=lookup.training)
     return pull
 
 
