@@ -1,4 +1,6 @@
 import csv
+import subprocess
+import sys
 import os
 
 import pytest
@@ -66,3 +68,27 @@ def behavior(tmp_path_factory) -> tuple[str, str]:
     write_behavior(train, 30_000, seed=5, sample_seed=1)
     write_behavior(evaluation, 5_000, seed=5, sample_seed=2)
     return train, evaluation
+
+
+def start_ps(shard=0, num_shards=1, threads=2):
+    proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "127.0.0.1:0",
+                             "--shard", str(shard), "--num-shards", str(num_shards), "--threads", str(threads)],
+                            stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()  # "deeprec PS 0/1 listening on 127.0.0.1:PORT"
+    assert "listening on" in line, line
+    return proc, line.split()[-1]
+
+
+@pytest.fixture
+def ps_pool():
+    procs = []
+
+    def make(n):
+        started = [start_ps(i, n) for i in range(n)]
+        procs.extend(p for p, _ in started)
+        return [a for _, a in started], [p for p, _ in started]
+
+    yield make
+    for p in procs:
+        p.kill()
+        p.wait(10)

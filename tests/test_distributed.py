@@ -16,29 +16,7 @@ from deeprec.distributed.wire import pack
 from deeprec.errors import ConfigError
 from deeprec.nn import EmbeddingVariable
 
-
-def start_ps(shard=0, num_shards=1, threads=2):
-    proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "127.0.0.1:0",
-                             "--shard", str(shard), "--num-shards", str(num_shards), "--threads", str(threads)],
-                            stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()  # "deeprec PS 0/1 listening on 127.0.0.1:PORT"
-    assert "listening on" in line, line
-    return proc, line.split()[-1]
-
-
-@pytest.fixture
-def ps_pool():
-    procs = []
-
-    def make(n):
-        started = [start_ps(i, n) for i in range(n)]
-        procs.extend(p for p, _ in started)
-        return [a for _, a in started], [p for p, _ in started]
-
-    yield make
-    for p in procs:
-        p.kill()
-        p.wait(10)
+from conftest import start_ps  # noqa: E402  - real PS processes on loopback (fixture ps_pool)
 
 
 def local_reference(steps, dim=4):

@@ -136,6 +136,13 @@ class FusedLookup(nn.Module):
     def pending(self) -> bool:
         return bool(self._pending)
 
+    def check_applied(self) -> None:
+        """Kept rows must be applied before the next step's lookups: never dropped silently."""
+        if self._pending:
+            raise RuntimeError("embedding gradients kept over the last step's micro-batches were never applied: "
+                               "step the optimizer of deeprec.optim.make_optimizer (or call collection.step()) "
+                               "after each micro-batched step")
+
     def step(self) -> None:
         """Apply the gradients kept since the last step (fused=False): rows seen in
         several backwards are merged, then one optimizer step."""
@@ -156,9 +163,7 @@ class FusedLookup(nn.Module):
     def forward(self, uniques, inverse, offsets, weights, counts, masks=()):
         """Unique keys per table -> pooled [B, P, D] (and the sequence features' [B, L, D])."""
         if self._pending and self.fused and self.training:
-            raise RuntimeError("embedding gradients kept over the last step's micro-batches were never applied: "
-                               "step the optimizer of deeprec.optim.make_optimizer (or call collection.step()) "
-                               "after each micro-batched step")
+            self.check_applied()
         if all(self.dynamic):
             gathered, began = [], []  # the first table's gradient of this backward begins the optimizer step
 

@@ -107,6 +107,7 @@ class OptimizedModel(nn.Module):
         total, outputs = sum(sizes), []
         deferred = deferred_lookups(self.model) if len(items) > 1 else []
         for lookup in deferred:
+            lookup.check_applied()
             lookup.fused = False
         try:
             for item, size in zip(items, sizes):
