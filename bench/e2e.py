@@ -45,10 +45,14 @@ TF_PYTHON = os.environ.get("DEEPREC_TF_PYTHON", os.path.join(ROOT, ".venv-tf", "
 
 
 def train_rate(data: str, steps: int, **options) -> float:
-    cfg = TrainConfig(model="dlrm", data=[data], steps=steps, optimizer="adagrad", lr=0.01, batch_size=512,
-                      progress=False, **options)
+    cfg = TrainConfig.create(model="dlrm", data=[data], steps=steps, optimizer="adagrad", lr=0.01, batch_size=512,
+                             progress=False, **options)
     result = Trainer(cfg).train()
     return result["steady_samples_per_s"], result
+
+
+def staged(executor: str, **options) -> dict:
+    return dict(smart_stage=True, smart_stage_options=dict(executor=executor, **options))
 
 
 def step_alone_rate(data: str, steps: int) -> float:
@@ -161,11 +165,10 @@ def main() -> None:
     variants = {
         "step alone": lambda: step_alone_rate(data, args.steps),
         "train plain": lambda: train_rate(data, total)[0],
-        "smart-stage auto": lambda: train_rate(data, total, smart_stage=True, stage_executor="auto")[0],
-        "smart-stage thread": lambda: train_rate(data, total, smart_stage=True, stage_executor="thread")[0],
-        "smart-stage process": lambda: train_rate(data, total, smart_stage=True, stage_executor="process",
-                                                  capacity=4)[0],
-        "train bf16 auto": lambda: train_rate(data, total, bf16="auto")[0],
+        "smart-stage auto": lambda: train_rate(data, total, optimize=staged("auto"))[0],
+        "smart-stage thread": lambda: train_rate(data, total, optimize=staged("thread"))[0],
+        "smart-stage process": lambda: train_rate(data, total, optimize=staged("process", capacity=4))[0],
+        "train bf16 auto": lambda: train_rate(data, total, optimize=dict(bf16="auto"))[0],
         "dataloader (1 worker)": lambda: dataloader_rate(data, args.steps),
         "tf.data + keras": lambda: tf_rate(data, args.steps, jit=False),
         "tf.data + keras xla": lambda: tf_rate(data, args.steps, jit=True),
@@ -178,8 +181,8 @@ def main() -> None:
                 rates[name].append(rate)
     if not rates["tf.data + keras"]:
         print(f"TensorFlow skipped: no {TF_PYTHON} (make bench-tf-venv creates it)")
-    auto = Trainer(TrainConfig(model="dlrm", data=[data], steps=80, optimizer="adagrad", lr=0.01, progress=False,
-                               smart_stage=True, stage_executor="auto")).train().get("auto")
+    auto = Trainer(TrainConfig.create(model="dlrm", data=[data], steps=80, optimizer="adagrad", lr=0.01,
+                                      progress=False, optimize=staged("auto"))).train().get("auto")
     median = {k: statistics.median(v) for k, v in rates.items() if v}
     step, plain = median["step alone"], median["train plain"]
     rows = [[k, f"{v:,.0f}", f"{v / step:.2f}", f"{v / plain:.2f}", " ".join(f"{r:,.0f}" for r in rates[k])]

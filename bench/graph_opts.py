@@ -155,9 +155,9 @@ def section_auc(steps: int) -> dict:
 
     path = synthetic_criteo(200_000, cardinalities="small")
     out = {}
-    for name, kw in (("fp32", {}), ("bf16", {"bf16": True}), ("bf16 + compile", {"bf16": True, "compile": True})):
-        cfg = TrainConfig(model="dlrm", data=[path], steps=steps, batch_size=512, optimizer="adam", lr=0.003,
-                          eval_fraction=0.1, smart_stage=True, progress=False, seed=0, **kw)
+    for name, kw in (("fp32", {}), ("bf16", {"bf16": True}), ("bf16 + compile", {"bf16": True, "graph_fusion": True})):
+        cfg = TrainConfig.create(model="dlrm", data=[path], steps=steps, batch_size=512, optimizer="adam", lr=0.003,
+                                 eval_fraction=0.1, progress=False, seed=0, optimize=dict(smart_stage=True, **kw))
         result = Trainer(cfg).train()
         out[name] = {"auc": result["eval"]["auc"], "logloss": result["eval"]["logloss"],
                      "samples_per_s": result["samples_per_s"]}

@@ -101,9 +101,9 @@ def run_training(async_embedding: bool, steps: int, data: str) -> float:
                           stdout=subprocess.PIPE, text=True)
     address = ps.stdout.readline().split()[-1]
     try:
-        cfg = TrainConfig(model="dlrm", data=[data], steps=steps, batch_size=512, optimizer="adagrad", lr=0.01,
-                          ps_addresses=[address], smart_stage=True, main_threads=1,
-                          async_embedding=async_embedding, progress=False)
+        cfg = TrainConfig.create(model="dlrm", data=[data], steps=steps, batch_size=512, optimizer="adagrad",
+                                 lr=0.01, ps_addresses=[address], progress=False,
+                                 optimize=dict(smart_stage=True, main_threads=1, async_embedding=async_embedding))
         result = Trainer(cfg).train()
     finally:
         ps.kill()

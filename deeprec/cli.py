@@ -1,4 +1,8 @@
-"""`deeprec` command line: train, launch, explain, evaluate, data synth, data convert."""
+"""`deeprec` command line: train, launch, explain, evaluate, data synth, data convert.
+
+Errors reach the user as one line, no traceback: exit code 2 for usage and configuration
+errors (deeprec.errors.ConfigError, a missing file), 1 for data and runtime errors.
+"""
 from __future__ import annotations
 
 import argparse
@@ -11,9 +15,8 @@ from importlib import resources
 from rich.console import Console
 from rich.table import Table
 
-from deeprec.errors import DeepRecError
+from deeprec.errors import ConfigError, DeepRecError
 from deeprec.models import MODELS
-from deeprec.optim import OPTIMIZERS
 
 SAMPLE = "criteo_sample.txt"
 MODEL_SAMPLES = {"din": "movielens_sample.txt", "dien": "movielens_sample.txt", "dssm": "movielens_sample.txt",
@@ -50,53 +53,46 @@ def synthetic_files(rows: int, cardinalities: str, seed: int, console: Console,
     return files[0], files[1]
 
 
-def cmd_train(args, console: Console) -> int:
-    from deeprec.trainer import TrainConfig, train
+def train_config(args, console: Console) -> tuple:
+    """TrainConfig from, in order: its defaults, `--config FILE`, the flags given; then the
+    data (a bundled sample, --synthetic) and, under TF_CONFIG, this worker's PS job."""
+    from deeprec.distributed import worker_task_from_env
+    from deeprec.options import build, given, load_toml, merge
+    from deeprec.trainer import TrainConfig
 
-    data, eval_data, note = args.data, args.eval_data, None
+    values = load_toml(args.config, TrainConfig) if args.config else {}
+    values = merge(values, given(args, TrainConfig))
+    model, note = values.get("model", "dlrm"), None
     if args.synthetic:
-        if data:
-            raise DeepRecError("give --data or --synthetic, not both")
-        kind = "behavior" if args.model in MODEL_SAMPLES else "criteo"
-        train_file, eval_file = synthetic_files(args.synthetic, args.cardinalities, args.seed, console, kind)
-        data, eval_data = [train_file], eval_data or [eval_file]
-    elif not data:
-        sample = MODEL_SAMPLES.get(args.model, SAMPLE)
-        data = [sample_path(sample)]
+        if values.get("data"):
+            raise ConfigError("give --data or --synthetic, not both")
+        kind = "behavior" if model in MODEL_SAMPLES else "criteo"
+        train_file, eval_file = synthetic_files(args.synthetic, args.cardinalities, values.get("seed", 0), console,
+                                                kind)
+        values["data"], values["eval_data"] = [train_file], values.get("eval_data") or [eval_file]
+    elif not values.get("data"):
+        sample = MODEL_SAMPLES.get(model, SAMPLE)
+        values["data"] = [sample_path(sample)]
         note = (f"smoke run on the bundled {SAMPLE_NAMES[sample]}, 20% of it held out for eval: "
                 "the AUC is noise; try --synthetic 1000000 for a meaningful run")
-    eval_fraction = args.eval_fraction if args.eval_fraction is not None else (0.2 if note else 0.0)
-    ps = {}
-    if os.environ.get("TF_CONFIG"):  # a worker of a parameter-server job (deeprec launch, Kubeflow TFJob)
-        from deeprec.distributed import parse_tf_config, read_endpoint_map
+        values.setdefault("eval_fraction", 0.2)
+    task = worker_task_from_env()  # a worker of a parameter-server job (deeprec launch, Kubeflow TFJob)
+    if task is not None:
+        values.update(ps_addresses=task.ps_addresses, shard_index=task.index, num_shards=task.num_workers,
+                      is_chief=task.is_chief, protocol=task.protocol or values.get("protocol", "star_server"))
+        if task.num_workers > 1:
+            values["eval_fraction"] = 0.0
+    return build(TrainConfig, values), note
 
-        task = parse_tf_config()
-        if task.job_name not in ("worker", "chief"):
-            raise DeepRecError(f"`deeprec train` runs worker tasks; TF_CONFIG says {task.job_name!r} "
-                               "(start PS tasks with `python -m deeprec.distributed`)")
-        endpoints = read_endpoint_map()
-        ps = dict(ps_addresses=[endpoints.get(a, a) for a in task.cluster.job_tasks("ps")],
-                  shard_index=task.task_index, num_shards=task.cluster.num_tasks("worker"),
-                  is_chief=task.task_index == 0, protocol=os.environ.get("DEEPREC_PROTOCOL", args.protocol),
-                  sync=args.sync, async_embedding=args.async_embedding)
-        eval_fraction = 0.0 if ps["num_shards"] > 1 else eval_fraction
-    elif args.async_embedding:
-        raise DeepRecError("--async-embedding applies to parameter-server workers (deeprec launch ... -- train)")
-    cfg = TrainConfig(model=args.model, data=data, eval_data=eval_data or [], eval_fraction=eval_fraction,
-                      steps=args.steps, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                      optimizer=args.optimizer, shuffle_buffer=args.shuffle_buffer, seed=args.seed,
-                      on_bad_row=args.on_bad_row, checkpoint_dir=args.checkpoint_dir,
-                      checkpoint_every=args.checkpoint_every, incremental_every=args.incremental_every,
-                      resume=args.resume, threads=args.threads,
-                      smart_stage=args.smart_stage, capacity=args.capacity, stage_threads=args.stage_threads,
-                      stage_executor=args.stage_executor, embedding=args.embedding,
-                      multi_stream=args.multi_stream, stream_policy=args.stream_policy, micro_batch=args.micro_batch,
-                      compile=args.compile, bf16={"on": True, "off": False}.get(args.bf16, args.bf16),
-                      malloc_tuning=args.malloc_tuning, schema=args.schema, **ps)
+
+def cmd_train(args, console: Console) -> int:
+    from deeprec.trainer import train
+
+    cfg, note = train_config(args, console)
     if note:
         console.print(f"[bold]{note}[/bold]")
     result = train(cfg, console)
-    table = Table(title=f"deeprec train --model {args.model}")
+    table = Table(title=f"deeprec train --model {cfg.model}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row("steps", str(result["steps"]))
@@ -154,7 +150,7 @@ def cmd_evaluate(args, console: Console) -> int:
 
     path = args.checkpoint if os.path.isfile(args.checkpoint) else latest_checkpoint(args.checkpoint)
     if path is None:
-        raise DeepRecError(f"no checkpoint found in {args.checkpoint}")
+        raise ConfigError(f"no checkpoint found in {args.checkpoint}")
     from deeprec.data import schema_from_dict
 
     state = load_checkpoint(path)
@@ -187,61 +183,26 @@ def cmd_convert(args, console: Console) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from deeprec import __version__
+    from deeprec.options import add_arguments
+    from deeprec.trainer import TrainConfig
+
     parser = argparse.ArgumentParser(prog="deeprec", description="Fast training of sparse CTR models.")
+    parser.add_argument("--version", action="version", version=f"deeprec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    tr = sub.add_parser("train", help="train a model")
-    tr.add_argument("--model", choices=sorted(MODELS), default="dlrm")
-    tr.add_argument("--data", nargs="+", help="TSV/CSV/Parquet files, folders or globs (default: bundled sample)")
-    tr.add_argument("--eval-data", nargs="+")
-    tr.add_argument("--schema", help="the data's columns: a preset (criteo, avazu, movielens, byterec, behavior) "
-                                     "or a TOML schema file (default: the preset the data matches)")
-    tr.add_argument("--eval-fraction", type=float, help="hold out this share of --data for eval")
-    span = tr.add_mutually_exclusive_group()
-    span.add_argument("--steps", type=int)
-    span.add_argument("--epochs", type=int)
-    tr.add_argument("--batch-size", type=int, default=512)
-    tr.add_argument("--lr", type=float, default=0.001)
-    tr.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
-    tr.add_argument("--shuffle-buffer", type=int, default=0)
-    tr.add_argument("--seed", type=int, default=0)
-    tr.add_argument("--on-bad-row", choices=("raise", "skip"), default="raise")
-    tr.add_argument("--checkpoint-dir")
-    tr.add_argument("--checkpoint-every", type=int, default=0)
-    tr.add_argument("--incremental-every", type=int, default=0,
-                    help="steps between incremental checkpoints (EmbeddingVariable rows touched since the last full one)")
-    tr.add_argument("--resume", action="store_true")
+    tr = sub.add_parser("train", help="train a model", formatter_class=argparse.RawDescriptionHelpFormatter,
+                        description="Train a model. Every option is a field of deeprec.trainer.TrainConfig "
+                                    "(optimize.* of deeprec.Config); --config FILE sets them from TOML "
+                                    "(keys = field names, [optimize] and [optimize.smart_stage_options] tables), "
+                                    "flags override the file.")
+    tr.add_argument("--config", metavar="FILE", help="a TOML file of TrainConfig fields")
+    add_arguments(tr, TrainConfig)
     tr.add_argument("--synthetic", type=int, metavar="ROWS", help="train on ROWS synthetic rows (cached)")
-    tr.add_argument("--cardinalities", "--synthetic-cardinalities", choices=("kaggle", "small"), default="kaggle")
-    tr.add_argument("--embedding", choices=("table", "variable", "torch"),
-                    help="fused hashed tables (default), EmbeddingVariables (no buckets), or nn.Embedding")
-    tr.add_argument("--threads", type=int, help="torch intra-op threads")
+    tr.add_argument("--cardinalities", "--synthetic-cardinalities", choices=("kaggle", "small"), default="kaggle",
+                    help="synthetic Criteo-layout data: Kaggle's column cardinalities or small ones")
     tr.add_argument("--json", help="write the result as JSON here")
-    tr.add_argument("--smart-stage", action="store_true", help="run the data-side subgraph ahead in background")
-    tr.add_argument("--capacity", type=int, default=1, help="SmartStage: batches buffered ahead")
-    tr.add_argument("--stage-threads", type=int, default=1, help="SmartStage: runner threads")
-    tr.add_argument("--stage-executor", choices=("auto", "thread", "process"), default="auto",
-                    help="SmartStage: auto (measure the first batches, then pick off, thread or process and the "
-                         "step's threads), threads, or a worker process (no GIL sharing)")
     tr.set_defaults(func=cmd_train)
-
-    tr.add_argument("--protocol", choices=("grpc", "star_server", "star_server_lite"), default="star_server",
-                    help="parameter-server protocol when run as a PS worker (TF_CONFIG set)")
-    tr.add_argument("--sync", action="store_true", help="PS worker: average all workers' gradients per step")
-    tr.add_argument("--multi-stream", type=int, default=1, metavar="N",
-                    help="run independent branches of the step on N streams (CUDA) / threads (CPU)")
-    tr.add_argument("--stream-policy", choices=("user", "embedding", "full"), default="embedding",
-                    help="how nodes get streams: dr.stream markers, one per embedding branch, or minimum chains")
-    tr.add_argument("--micro-batch", type=int, default=1, metavar="N",
-                    help="split each batch into N micro-batches, accumulate, one optimizer step")
-    tr.add_argument("--compile", action="store_true", help="torch.compile the training step (graph fusion)")
-    tr.add_argument("--malloc-tuning", action="store_true",
-                    help="glibc mallopt: keep freed memory mapped (halves page faults per step; +3.5%% measured)")
-    tr.add_argument("--bf16", nargs="?", const="on", default="off", choices=("on", "off", "auto"),
-                    help="run the step under autocast(bfloat16), fp32 weights; auto: only where the hardware has "
-                         "fast bf16 (CUDA, AMX or AVX512-BF16 CPUs)")
-    tr.add_argument("--async-embedding", action="store_true",
-                    help="PS worker with --smart-stage: pull batch t+1's embedding rows while batch t computes")
 
     la = sub.add_parser("launch", help="run a parameter-server job on this machine")
     la.add_argument("--ps", type=int, default=1)
@@ -287,9 +248,12 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=True)
     try:
         return args.func(args, console)
-    except (DeepRecError, FileNotFoundError) as err:
+    except (ConfigError, FileNotFoundError) as err:  # usage and configuration: exit code 2, as argparse's
         console.print(f"[red]error:[/red] {err}", highlight=False)
         return 2
+    except DeepRecError as err:  # data that cannot be read, a parameter server that fails: exit code 1
+        console.print(f"[red]error:[/red] {err}", highlight=False)
+        return 1
 
 
 if __name__ == "__main__":

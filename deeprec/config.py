@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deeprec.options import option
+
 from deeprec.errors import ConfigError, OutOfRangeError, check_choice
 from deeprec.graph.streams import MultiStreamOptions
 
@@ -44,18 +46,25 @@ class SmartStageOptions:
     picks off, thread or process and the step's intra-op threads (deeprec.runtime.auto_stage).
     """
 
-    capacity: int = 1
-    num_threads: int = 1
-    num_clients: int = 1
-    timeout_millis: int = 300000
-    closed_exception_types: tuple = (StopIteration, OutOfRangeError)
-    ignored_exception_types: tuple = ()
-    use_stage_subgraph_thread_pool: bool = False
-    stage_subgraph_thread_pool_id: int = 0
-    stage_subgraph_stream_id: int = 0
-    name: str | None = None
-    ordered: bool = True
-    executor: str = "thread"
+    capacity: int = option(1, "SmartStage: results buffered ahead", flag="--capacity")
+    num_threads: int = option(1, "SmartStage: runner threads executing the stage", flag="--stage-threads")
+    num_clients: int = option(1, "SmartStage: consumers taking results", flag="--stage-clients")
+    timeout_millis: int = option(300000, "SmartStage: how long a result waits for buffer space before it is "
+                                 "dropped", flag="--stage-timeout-millis")
+    closed_exception_types: tuple = option((StopIteration, OutOfRangeError), cli=False, file=False)
+    ignored_exception_types: tuple = option((), cli=False, file=False)
+    use_stage_subgraph_thread_pool: bool = option(False, "SmartStage: run the stage in Config.stage_thread_pools",
+                                                  flag="--stage-thread-pool")
+    stage_subgraph_thread_pool_id: int = option(0, "SmartStage: which of Config.stage_thread_pools",
+                                                flag="--stage-thread-pool-id")
+    stage_subgraph_stream_id: int = option(0, "SmartStage: CUDA stream of the stage's host-to-device copy",
+                                           flag="--stage-stream-id")
+    name: str | None = option(None, "SmartStage: a name for its threads", flag="--stage-name")
+    ordered: bool = option(True, "SmartStage: results in reader order (off: completion order)",
+                           flag="--stage-ordered")
+    executor: str = option("thread", "SmartStage: auto (measure the first batches, then pick off, thread or "
+                           "process and the step's threads), thread, or a worker process (no GIL sharing)",
+                           flag="--stage-executor", choices=("thread", "process", "auto"))
 
     def __post_init__(self):
         _positive("SmartStageOptions", capacity=self.capacity, num_threads=self.num_threads,
@@ -116,17 +125,21 @@ class Config:
     tf32: allow TF32 matmuls and convolutions on GPU.
     """
 
-    smart_stage: bool = False
-    smart_stage_options: SmartStageOptions = field(default_factory=SmartStageOptions)
-    stage_subgraph_on_cpu: bool = False
-    stage_thread_pools: list = field(default_factory=list)
-    main_threads: int | None = None
-    async_embedding: bool = False
-    multi_stream: MultiStreamOptions | None = None
-    micro_batch_num: int = 1
-    graph_fusion: bool = False
-    bf16: bool | str = False
-    tf32: bool = False
+    smart_stage: bool = option(False, "run the data-side subgraph ahead in background")
+    smart_stage_options: SmartStageOptions = option(factory=SmartStageOptions)
+    stage_subgraph_on_cpu: bool = option(False, "CUDA: run the stage on CPU into pinned memory, one packed copy")
+    stage_thread_pools: list = option(factory=list, cli=False, file=False)
+    main_threads: int | None = option(None, "intra-op threads of the step while staging (default: cores - stage)")
+    async_embedding: bool = option(False, "PS worker with --smart-stage: pull batch t+1's embedding rows while "
+                                   "batch t computes")
+    multi_stream: MultiStreamOptions | None = option(None, defaults={"policy": "embedding"})
+    micro_batch_num: int = option(1, "split each batch into N micro-batches, accumulate, one optimizer step",
+                                  flag="--micro-batch", metavar="N")
+    graph_fusion: bool = option(False, "torch.compile the training step (graph fusion)", flag="--compile")
+    bf16: bool | str = option(False, "run the step under autocast(bfloat16), fp32 weights; auto: only where the "
+                              "hardware has fast bf16 (CUDA, AMX or AVX512-BF16 CPUs)", nargs="?", const="on",
+                              choices=("on", "off", "auto"), parse=lambda v: {"on": True, "off": False}.get(v, v))
+    tf32: bool = option(False, "allow TF32 matmuls on GPU")
 
     def __post_init__(self):
         if not isinstance(self.smart_stage_options, SmartStageOptions):
@@ -147,6 +160,8 @@ class Config:
             _positive("Config", main_threads=self.main_threads)
         if self.multi_stream is not None and not isinstance(self.multi_stream, MultiStreamOptions):
             raise ConfigError("multi_stream must be a deeprec.MultiStreamOptions or None")
+        if self.multi_stream is not None and self.multi_stream.num_streams == 1:
+            self.multi_stream = None  # one stream is the step as it is
         _positive("Config", micro_batch_num=self.micro_batch_num)
         if self.micro_batch_num > 1 and (opts.executor == "process" or not opts.ordered):
             raise ConfigError("micro_batch_num > 1 regroups a batch's micro-batches in order: it needs "

@@ -22,12 +22,15 @@ from sklearn.metrics import log_loss, roc_auc_score
 from torch.profiler import record_function
 
 from deeprec.config import Config, SmartStageOptions
-from deeprec.graph.streams import MultiStreamOptions
+from deeprec.distributed.client import PROTOCOLS
+from deeprec.models.features import EMBEDDINGS
+from deeprec.optim import OPTIMIZERS
+from deeprec.options import build, option
 from deeprec.checkpoint import (checkpoint_step, latest_checkpoint, list_checkpoints, load_checkpoint,
                                 save_checkpoint)
 from deeprec.data import open_reader, resolve_schema, schema_to_dict
 from deeprec.errors import ConfigError
-from deeprec.models import build_model
+from deeprec.models import MODELS, build_model
 from deeprec.nn import incremental_state_dict
 from deeprec.runtime import optimize
 from deeprec.runtime.updater import make_updater
@@ -39,47 +42,49 @@ STEADY_AFTER = 50  # steps: warm-up plus SmartStage auto's calibration (deeprec.
 
 @dataclass
 class TrainConfig:
-    model: str = "dlrm"
-    data: list[str] = field(default_factory=list)
-    eval_data: list[str] = field(default_factory=list)
-    eval_fraction: float = 0.0  # without eval_data: hold out this share of `data` (whole byte ranges)
-    steps: int | None = None  # total optimizer steps (resume counts the steps already done)
-    epochs: int | None = None  # used when steps is None; default 1
-    batch_size: int = 512
-    eval_batch_size: int = 4096
-    lr: float = 0.001
-    optimizer: str = "adam"  # DeepRec modelzoo default
-    shuffle_buffer: int = 0
-    seed: int = 0
-    on_bad_row: str = "raise"
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0  # steps between checkpoints; 0 = only at the end
-    incremental_every: int = 0  # steps between incremental checkpoints (EmbeddingVariable rows touched since)
-    resume: bool = False
-    threads: int | None = None
-    model_overrides: dict = field(default_factory=dict)
-    schema: str | None = None  # preset name or TOML file (None: the preset the data matches)
-    progress: bool = True
-    smart_stage: bool = False  # pipeline the data-side subgraph (deeprec.optimize)
-    capacity: int = 1  # SmartStageOptions.capacity
-    stage_threads: int = 1  # SmartStageOptions.num_threads
-    stage_executor: str = "auto"  # SmartStageOptions.executor: "auto" | "thread" | "process"
-    main_threads: int | None = None  # intra-op threads of the step while staging (None: cores - stage)
-    embedding: str | None = None  # table | variable | torch (None: the model's default)
-    flush_denormal: bool = True  # tiny embedding weights turn denormal and slow CPU math ~2x
-    ps_addresses: list = field(default_factory=list)  # parameter servers: train as a PS worker
-    protocol: str = "star_server"  # grpc | star_server | star_server_lite
-    shard_index: int = 0  # this worker's share of the training data
-    num_shards: int = 1
-    is_chief: bool = True  # evaluates at the end
-    sync: bool = False  # PS training: average every worker's gradients per step (num_shards workers)
-    async_embedding: bool = False  # PS training + SmartStage: pull batch t+1's rows while batch t computes
-    multi_stream: int = 1  # MultiStreamOptions.num_streams (1: off)
-    stream_policy: str = "embedding"  # MultiStreamOptions.policy
-    micro_batch: int = 1  # Config.micro_batch_num
-    compile: bool = False  # Config.graph_fusion (torch.compile of the step)
-    bf16: bool | str = False  # Config.bf16: True, False or "auto" (autocast bfloat16, fp32 weights)
-    malloc_tuning: bool = False  # glibc mallopt: keep freed memory mapped (deeprec.runtime.memory)
+    """Everything `deeprec train` takes: each field is a CLI flag (`deeprec train --help`)
+    and a key of a `--config run.toml` file; `optimize` holds deeprec.optimize's options."""
+
+    model: str = option("dlrm", "the model", choices=tuple(sorted(MODELS)))
+    data: list[str] = option(factory=list, help="TSV/CSV/Parquet files, folders or globs (default: the model's "
+                             "bundled real sample)")
+    eval_data: list[str] = option(factory=list, help="evaluation files (default: none, or --eval-fraction)")
+    eval_fraction: float = option(0.0, "without eval data: hold out this share of the data (whole byte ranges); "
+                                  "0.2 on a bundled sample")
+    steps: int | None = option(None, "total optimizer steps (resume counts the steps already done)")
+    epochs: int | None = option(None, "passes over the data when --steps is not given (default 1)")
+    batch_size: int = option(512, "rows per training batch")
+    eval_batch_size: int = option(4096, "rows per evaluation batch")
+    lr: float = option(0.001, "learning rate")
+    optimizer: str = option("adam", "optimizer of every parameter (DeepRec modelzoo default: adam)",
+                            choices=OPTIMIZERS)
+    shuffle_buffer: int = option(0, "rows shuffled in a buffer of this size (0: file order)")
+    seed: int = option(0, "seed of the model's initialization and the shuffle")
+    on_bad_row: str = option("raise", "a row that does not parse: stop with its file and line, or skip and count it",
+                             choices=("raise", "skip"))
+    checkpoint_dir: str | None = option(None, "folder of the checkpoints")
+    checkpoint_every: int = option(0, "steps between checkpoints; 0: only at the end")
+    incremental_every: int = option(0, "steps between incremental checkpoints (EmbeddingVariable rows touched "
+                                    "since the last full one)")
+    resume: bool = option(False, "continue from the latest checkpoint in --checkpoint-dir")
+    threads: int | None = option(None, "torch intra-op threads")
+    model_overrides: dict = option(factory=dict, cli=False)  # TOML table: the model's config fields
+    schema: str | None = option(None, "the data's columns: a preset (criteo, avazu, movielens, byterec, behavior) "
+                                "or a TOML schema file (default: the preset the data matches)")
+    progress: bool = option(True, "show a progress bar on a terminal")
+    embedding: str | None = option(None, "fused hashed tables (default), EmbeddingVariables (no buckets), or "
+                                   "nn.Embedding", choices=EMBEDDINGS)
+    flush_denormal: bool = option(True, "flush denormal floats (tiny embedding weights slow CPU math ~2x)")
+    malloc_tuning: bool = option(False, "glibc mallopt: keep freed memory mapped (halves page faults per step)")
+    protocol: str = option("star_server", "parameter-server protocol of a PS worker (TF_CONFIG set)",
+                           choices=PROTOCOLS)
+    sync: bool = option(False, "PS workers: average every worker's gradients per step")
+    ps_addresses: list[str] = option(factory=list, cli=False, file=False)  # from TF_CONFIG: a PS worker
+    shard_index: int = option(0, cli=False, file=False)  # this worker's share of the training data
+    num_shards: int = option(1, cli=False, file=False)
+    is_chief: bool = option(True, cli=False, file=False)  # evaluates at the end
+    # deeprec.optimize's options; SmartStage's executor is "auto" here (measure, then pick off, thread or process)
+    optimize: Config = option(factory=lambda: Config(smart_stage_options=SmartStageOptions(executor="auto")))
 
     def __post_init__(self):
         if isinstance(self.data, str):
@@ -99,14 +104,20 @@ class TrainConfig:
         if self.ps_addresses and self.embedding not in (None, "variable"):
             raise ConfigError("parameter-server training keeps embeddings as EmbeddingVariables: "
                               f"embedding={self.embedding!r} is not supported there")
-        if self.async_embedding and not (self.ps_addresses and self.smart_stage):
+        if self.optimize.async_embedding and not self.ps_addresses:
             raise ConfigError("async_embedding pulls embedding rows from the parameter servers in the "
-                              "SmartStage prefetch: it needs ps_addresses and smart_stage=True")
-        if self.async_embedding and self.sync:
+                              "SmartStage prefetch: it needs a parameter-server job (deeprec launch ... -- train)")
+        if self.optimize.async_embedding and self.sync:
             raise ConfigError("sync training reads each step's rows after the previous update; async_embedding "
                               "reads them earlier: choose one")
         if self.num_shards > 1 and self.eval_fraction:
             raise ConfigError("a sharded worker cannot also hold out eval_fraction: give eval_data")
+
+    @classmethod
+    def create(cls, **values) -> "TrainConfig":
+        """From field values where nested options may be dicts:
+        `TrainConfig.create(data=[...], optimize={"smart_stage": True, "smart_stage_options": {"capacity": 4}})`."""
+        return build(cls, values)
 
 
 def _holdout_shards(fraction: float) -> tuple[int, list[int], int]:
@@ -188,12 +199,7 @@ class Trainer:
         self.model = build_model(cfg.model, schema=self.schema, **self.model_overrides)
         self.updater = make_updater(self.model, cfg.optimizer, cfg.lr, cfg.ps_addresses, cfg.protocol,
                                     sync_workers=cfg.num_shards if cfg.sync else 1, worker_index=cfg.shard_index)
-        self.fast = optimize(self.model, Config(
-            smart_stage=cfg.smart_stage, main_threads=cfg.main_threads, async_embedding=cfg.async_embedding,
-            smart_stage_options=SmartStageOptions(capacity=cfg.capacity, num_threads=cfg.stage_threads,
-                                                  executor=cfg.stage_executor),
-            multi_stream=MultiStreamOptions(cfg.multi_stream, cfg.stream_policy) if cfg.multi_stream > 1 else None,
-            micro_batch_num=cfg.micro_batch, graph_fusion=cfg.compile, bf16=cfg.bf16))
+        self.fast = optimize(self.model, cfg.optimize)
         batch_norm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in self.model.modules())
         self.train_reader, self.eval_reader = make_readers(cfg, self.schema, drop_remainder=batch_norm)
         self._reader_state = self.train_reader.state_dict()  # position of the last batch trained on

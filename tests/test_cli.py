@@ -34,7 +34,7 @@ def test_malformed_file_reports_line(tmp_path, sample_rows, capsys):
     lines[13] = "\t".join(sample_rows[13][:20])
     path = tmp_path / "broken.tsv"
     path.write_text("\n".join(lines) + "\n")
-    assert main(["train", "--data", str(path), "--steps", "2"]) == 2
+    assert main(["train", "--data", str(path), "--steps", "2"]) == 1  # a data error
     assert f"{path}:14: expected 40 fields, found 20" in capsys.readouterr().err.replace("\n", "")
     assert main(["train", "--data", str(path), "--steps", "2", "--batch-size", "8", "--on-bad-row", "skip"]) == 0
 
@@ -116,3 +116,83 @@ def test_train_exposes_graph_options(sample, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["train", "--stream-policy", "fastest"])
     assert "invalid choice: 'fastest'" in capsys.readouterr().err
+
+
+def test_config_file_sets_options_and_flags_override_it(tmp_path, monkeypatch, sample):
+    from deeprec.cli import build_parser, train_config
+    from rich.console import Console
+
+    run = tmp_path / "run.toml"
+    run.write_text(f'model = "wdl"\ndata = ["{sample}"]\nsteps = 7\nlr = 0.01\n'
+                   "[model_overrides]\nembedding_dim = 8\ndnn = [32, 16]\n"
+                   "[optimize]\nsmart_stage = true\nmicro_batch_num = 2\n"
+                   '[optimize.smart_stage_options]\ncapacity = 3\nexecutor = "thread"\n')
+    args = build_parser().parse_args(["train", "--config", str(run), "--steps", "9", "--stage-threads", "2"])
+    cfg, _ = train_config(args, Console(stderr=True))
+    assert (cfg.model, cfg.data, cfg.steps, cfg.lr) == ("wdl", [sample], 9, 0.01)  # --steps beat the file's 7
+    assert cfg.model_overrides == {"embedding_dim": 8, "dnn": [32, 16]}
+    opts = cfg.optimize.smart_stage_options
+    assert cfg.optimize.smart_stage and cfg.optimize.micro_batch_num == 2
+    assert (opts.capacity, opts.num_threads, opts.executor) == (3, 2, "thread")
+    # without the file: the trainer's defaults (SmartStage executor auto), and the nested flags
+    args = build_parser().parse_args(["train", "--data", sample, "--multi-stream", "2", "--bf16", "auto"])
+    cfg, _ = train_config(args, Console(stderr=True))
+    assert cfg.optimize.smart_stage_options.executor == "auto" and cfg.optimize.bf16 == "auto"
+    assert (cfg.optimize.multi_stream.num_streams, cfg.optimize.multi_stream.policy) == (2, "embedding")
+    out = tmp_path / "wdl.json"
+    assert main(["train", "--config", str(run), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["steps"] == 7
+
+
+def test_config_file_errors_name_the_file_and_the_allowed_keys(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("stepz = 3\n")
+    assert main(["train", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "bad.toml" in err and "unknown option 'stepz'" in err and "steps" in err
+    bad.write_text("[optimize.smart_stage_options]\ncapacity = 0\n")
+    assert main(["train", "--config", str(bad)]) == 2
+    assert "capacity must be a positive int" in capsys.readouterr().err
+    bad.write_text("[optimize]\nstage_thread_pools = []\n")  # not settable from a file
+    assert main(["train", "--config", str(bad)]) == 2
+    assert "unknown option 'optimize.stage_thread_pools'" in capsys.readouterr().err
+    assert main(["train", "--config", str(tmp_path / "missing.toml")]) == 2
+
+
+def test_version_and_help_show_every_option_with_its_default(capsys):
+    import dataclasses
+
+    import deeprec
+    from deeprec.cli import build_parser
+    from deeprec.trainer import TrainConfig
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"deeprec {deeprec.__version__}"
+    text = " ".join(build_parser()._subparsers._group_actions[0].choices["train"].format_help().split())
+    for flag in ("--steps", "--capacity", "--stage-threads", "--stage-executor", "--micro-batch", "--compile",
+                 "--bf16", "--multi-stream", "--stream-policy", "--async-embedding", "--config"):
+        assert flag in text, flag
+    assert "(default: 512)" in text and "(default: auto)" in text  # batch size; the trainer's stage executor
+    cli_fields = [f for f in dataclasses.fields(TrainConfig) if f.metadata.get("cli", True) is not False]
+    helps = [f.metadata.get("help") for f in cli_fields if f.name != "optimize"]
+    assert all(helps), [f.name for f in cli_fields if not f.metadata.get("help")]
+
+
+def test_tf_config_becomes_a_worker_task_in_one_place(tmp_path, monkeypatch):
+    from deeprec.distributed import worker_task_from_env
+    from deeprec.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    assert worker_task_from_env() is None
+    (tmp_path / ".endpoint_map").write_text("ps-1:2222 10.0.0.7:3333\n")
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"ps": ["ps-0:2222", "ps-1:2222"],
+                                                            "worker": ["w-0:1", "w-1:1", "w-2:1"]},
+                                                "task": {"type": "worker", "index": 2}}))
+    task = worker_task_from_env()
+    assert task.ps_addresses == ["ps-0:2222", "10.0.0.7:3333"] and (task.index, task.num_workers) == (2, 3)
+    assert not task.is_chief
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"ps": ["ps-0:2222"]}, "task": {"type": "ps"}}))
+    with pytest.raises(ConfigError, match="runs worker tasks"):
+        worker_task_from_env()

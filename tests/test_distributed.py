@@ -352,9 +352,10 @@ def test_async_embedding_pulls_rows_in_the_prefetch(ps_pool, unique_tsv):
     for lr in (1e-30, 0.05):
         for async_embedding in (False, True):
             addresses, _ = ps_pool(1)
-            t = Trainer(TrainConfig(model="dlrm", data=[unique_tsv], steps=6, batch_size=64, optimizer="sgd",
-                                    lr=lr, ps_addresses=addresses, smart_stage=True, capacity=2,
-                                    async_embedding=async_embedding, model_overrides=small, progress=False))
+            t = Trainer(TrainConfig.create(
+                model="dlrm", data=[unique_tsv], steps=6, batch_size=64, optimizer="sgd", lr=lr,
+                ps_addresses=addresses, model_overrides=small, progress=False,
+                optimize=dict(smart_stage=True, async_embedding=async_embedding, smart_stage_options=dict(capacity=2))))
             losses = []  # the top layer's outputs (the graph calls submodules, not model.forward)
             t.model.top[-1].register_forward_hook(lambda m, a, out: losses.append(out.abs().sum().item()))
             t.train()
@@ -371,10 +372,13 @@ def test_async_embedding_pulls_rows_in_the_prefetch(ps_pool, unique_tsv):
 def test_async_embedding_needs_ps_and_smart_stage(tmp_path):
     from deeprec.trainer import TrainConfig
 
-    with pytest.raises(ConfigError, match="needs ps_addresses and smart_stage"):
-        TrainConfig(model="dlrm", data=["x"], async_embedding=True, ps_addresses=["a:1"])
+    with pytest.raises(ConfigError, match="needs smart_stage=True"):
+        TrainConfig.create(model="dlrm", data=["x"], optimize=dict(async_embedding=True), ps_addresses=["a:1"])
+    with pytest.raises(ConfigError, match="needs a parameter-server job"):
+        TrainConfig.create(model="dlrm", data=["x"], optimize=dict(async_embedding=True, smart_stage=True))
     with pytest.raises(ConfigError, match="choose one"):
-        TrainConfig(model="dlrm", data=["x"], async_embedding=True, ps_addresses=["a:1"], smart_stage=True, sync=True)
+        TrainConfig.create(model="dlrm", data=["x"], ps_addresses=["a:1"], sync=True,
+                           optimize=dict(async_embedding=True, smart_stage=True))
 
 
 def test_tuning_variables_are_validated(monkeypatch):

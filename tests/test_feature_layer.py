@@ -152,9 +152,10 @@ def test_every_model_trains_on_a_parameter_server_with_async_embedding(name, beh
     from deeprec.trainer import TrainConfig, Trainer
 
     addresses, _ = ps_pool(1)
-    t = Trainer(TrainConfig(model=name, data=[data_for(name, behavior)], steps=4, batch_size=32, seed=1,
-                            ps_addresses=addresses, smart_stage=True, async_embedding=True, capacity=2,
-                            stage_executor="thread", model_overrides=SMALL[name], progress=False))
+    t = Trainer(TrainConfig.create(model=name, data=[data_for(name, behavior)], steps=4, batch_size=32, seed=1,
+                                   ps_addresses=addresses, model_overrides=SMALL[name], progress=False,
+                                   optimize=dict(smart_stage=True, async_embedding=True,
+                                                 smart_stage_options=dict(capacity=2, executor="thread"))))
     result = t.train()
     assert result["steps"] == 4 and torch.isfinite(torch.tensor(result["final_loss"]))
     remote = t.updater.remotes[0]

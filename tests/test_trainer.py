@@ -12,7 +12,7 @@ def _cfg(data, ckpt, small_model, **kw):
     base = dict(model="dlrm", data=[data], batch_size=256, shuffle_buffer=1000, seed=4,
                 checkpoint_dir=str(ckpt), model_overrides=small_model, progress=False)
     base.update(kw)
-    return TrainConfig(**base)
+    return TrainConfig.create(**base)
 
 
 def _assert_same_state(a: Trainer, b: Trainer):
@@ -116,8 +116,8 @@ def test_evaluate_uses_model_predictions(sample):
 def test_smart_stage_trains_to_the_same_state(tmp_path, unique_tsv, small_model):
     threads = torch.get_num_threads()
     plain = Trainer(_cfg(unique_tsv, tmp_path / "plain", small_model, steps=30))
-    staged = Trainer(_cfg(unique_tsv, tmp_path / "staged", small_model, steps=30, smart_stage=True,
-                          capacity=4, stage_threads=2, main_threads=threads, stage_executor="thread"))
+    staged = Trainer(_cfg(unique_tsv, tmp_path / "staged", small_model, steps=30, optimize=dict(
+        smart_stage=True, main_threads=threads, smart_stage_options=dict(capacity=4, num_threads=2, executor="thread"))))
     a, b = plain.train(), staged.train()
     assert a["final_loss"] == b["final_loss"] and b["stage"]["taken"] == 30 and b["stage"]["dropped"] == 0
     _assert_same_state(plain, staged)
@@ -127,8 +127,8 @@ def test_smart_stage_checkpoint_holds_the_consumed_position(tmp_path, unique_tsv
     # the stage reads ahead of the step; the checkpoint must record what was trained on
     full = Trainer(_cfg(unique_tsv, tmp_path / "full", small_model, steps=50))
     full.train()
-    staged_kw = dict(smart_stage=True, capacity=6, stage_threads=2, main_threads=torch.get_num_threads(),
-                     stage_executor="thread")
+    staged_kw = dict(optimize=dict(smart_stage=True, main_threads=torch.get_num_threads(),
+                                   smart_stage_options=dict(capacity=6, num_threads=2, executor="thread")))
     Trainer(_cfg(unique_tsv, tmp_path / "split", small_model, steps=21, **staged_kw)).train()
     state = load_checkpoint(latest_checkpoint(str(tmp_path / "split")))
     assert state["reader"]["epoch"] == 0 and state["reader"]["batches"] == 21
@@ -140,7 +140,8 @@ def test_smart_stage_checkpoint_holds_the_consumed_position(tmp_path, unique_tsv
 def test_smart_stage_in_a_process_resumes_exactly(tmp_path, unique_tsv, small_model):
     full = Trainer(_cfg(unique_tsv, tmp_path / "full", small_model, steps=30))
     full.train()
-    kw = dict(smart_stage=True, capacity=4, stage_executor="process", main_threads=torch.get_num_threads())
+    kw = dict(optimize=dict(smart_stage=True, main_threads=torch.get_num_threads(),
+                            smart_stage_options=dict(capacity=4, executor="process")))
     first = Trainer(_cfg(unique_tsv, tmp_path / "split", small_model, steps=12, **kw))
     assert first.train()["stage"]["taken"] == 12
     resumed = Trainer(_cfg(unique_tsv, tmp_path / "split", small_model, steps=30, resume=True, **kw))
@@ -180,9 +181,9 @@ def test_micro_batches_and_streams_train_to_the_same_state(tmp_path, unique_tsv,
     """--micro-batch 4 (with the stage ahead) and --multi-stream 2: the same training, up to float rounding."""
     plain = Trainer(_cfg(unique_tsv, tmp_path / "plain", small_model, steps=12, optimizer="adagrad"))
     micro = Trainer(_cfg(unique_tsv, tmp_path / "micro", small_model, steps=12, optimizer="adagrad",
-                         micro_batch=4, smart_stage=True, capacity=2))
+                         optimize=dict(micro_batch_num=4, smart_stage=True, smart_stage_options=dict(capacity=2))))
     streams = Trainer(_cfg(unique_tsv, tmp_path / "streams", small_model, steps=12, optimizer="adagrad",
-                           multi_stream=2, stream_policy="full"))
+                           optimize=dict(multi_stream=dict(num_streams=2, policy="full"))))
     a, b, c = plain.train(), micro.train(), streams.train()
     assert b["steps"] == c["steps"] == 12 and b["rows"] == a["rows"] == 12 * 256
     for other in (micro, streams):

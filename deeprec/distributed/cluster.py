@@ -16,9 +16,6 @@ from dataclasses import dataclass
 
 from deeprec.errors import ConfigError
 
-JOBS = ("ps", "worker", "chief", "evaluator")
-
-
 class ClusterSpec:
     """Jobs and their task addresses, like `tf.train.ClusterSpec`."""
 
@@ -88,6 +85,39 @@ def parse_tf_config(text: str | None = None) -> TaskConfig:
         raise ConfigError(f"TF_CONFIG task type {job!r} is not a job of the cluster ({', '.join(cluster.jobs)})")
     cluster.task_address(job, int(index))
     return TaskConfig(cluster, job, int(index))
+
+
+@dataclass(frozen=True)
+class WorkerTask:
+    """What a PS worker needs from TF_CONFIG: the PSs' data-plane addresses and its place."""
+
+    ps_addresses: list[str]
+    index: int
+    num_workers: int
+    protocol: str | None  # DEEPREC_PROTOCOL, set by `deeprec launch`
+
+    @property
+    def is_chief(self) -> bool:
+        return self.index == 0
+
+
+def worker_task_from_env() -> WorkerTask | None:
+    """This process's worker task from TF_CONFIG (None when it is not set), with the
+    PS addresses mapped through `.endpoint_map`; the one place TF_CONFIG becomes addresses."""
+    if not os.environ.get("TF_CONFIG"):
+        return None
+    task = parse_tf_config()
+    if task.job_name not in ("worker", "chief"):
+        raise ConfigError(f"`deeprec train` runs worker tasks; TF_CONFIG says {task.job_name!r} "
+                          "(start PS tasks with `python -m deeprec.distributed`)")
+    return WorkerTask(ps_addresses(task.cluster), task.task_index, task.cluster.num_tasks("worker"),
+                      os.environ.get("DEEPREC_PROTOCOL"))
+
+
+def ps_addresses(cluster: ClusterSpec, endpoints: dict[str, str] | None = None) -> list[str]:
+    """The PS tasks' data-plane addresses (`.endpoint_map` applied)."""
+    endpoints = read_endpoint_map() if endpoints is None else endpoints
+    return [endpoints.get(a, a) for a in cluster.job_tasks("ps")] if "ps" in cluster.jobs else []
 
 
 def read_endpoint_map(path: str = ".endpoint_map") -> dict[str, str]:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from deeprec.distributed.client import PROTOCOLS
-from deeprec.distributed.cluster import ClusterSpec, read_endpoint_map
+from deeprec.distributed.cluster import ClusterSpec, ps_addresses, read_endpoint_map
 from deeprec.errors import ConfigError, check_choice
 
 
@@ -23,7 +23,7 @@ class Server:
         endpoints = read_endpoint_map()
         address = self.cluster.task_address(job_name, task_index)
         self.data_address = endpoints.get(address, address)
-        self.ps_addresses = [endpoints.get(a, a) for a in self.cluster.job_tasks("ps")] if "ps" in self.cluster.jobs else []
+        self.ps_addresses = ps_addresses(self.cluster, endpoints)
         self._server = None
         self.port = None
         if bind_address is None:

@@ -27,6 +27,7 @@ import torch.fx
 from torch import nn
 
 from deeprec.errors import ConfigError, check_choice
+from deeprec.options import option
 
 POLICIES = ("none", "user", "embedding", "full")
 STREAM_KEY = "stream"
@@ -36,8 +37,10 @@ _marks = threading.local()  # the stream in effect while tracing on this thread
 
 @dataclass
 class MultiStreamOptions:
-    num_streams: int = 2
-    policy: str = "user"
+    num_streams: int = option(2, "run independent branches of the step on N streams (CUDA) / threads (CPU)",
+                              flag="--multi-stream", metavar="N")
+    policy: str = option("user", "how nodes get streams: dr.stream markers, one per embedding branch, or "
+                         "minimum chains", flag="--stream-policy", choices=POLICIES)
 
     def __post_init__(self):
         if not isinstance(self.num_streams, int) or self.num_streams < 1:
