@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from deeprec.options import option
 
 from deeprec.errors import ConfigError, OutOfRangeError, check_choice
-from deeprec.graph.streams import MultiStreamOptions
+from deeprec.graph.multi_stream import MultiStreamOptions
 
 
 def _positive(owner: str, **values) -> None:

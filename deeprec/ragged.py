@@ -19,7 +19,6 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from deeprec.errors import ConfigError
 
 
 class Ragged(NamedTuple):
@@ -54,7 +53,7 @@ class Ragged(NamedTuple):
         if isinstance(array, pa.ChunkedArray):
             array = array.combine_chunks() if array.num_chunks != 1 else array.chunk(0)
         if array.null_count:
-            raise ConfigError(f"Ragged.from_arrow: the {array.type} array holds {array.null_count} nulls; "
+            raise ValueError(f"Ragged.from_arrow: the {array.type} array holds {array.null_count} nulls; "
                               "fill them first (an empty string or an empty list)")
         kind = array.type
         if pa.types.is_string(kind) or pa.types.is_large_string(kind):
@@ -74,7 +73,7 @@ class Ragged(NamedTuple):
             else:
                 values = cls.from_arrow(items)
             return cls(values, torch.from_numpy(offsets - offsets[0]))
-        raise ConfigError(f"Ragged.from_arrow takes binary, string or list arrays, got {kind}")
+        raise TypeError(f"Ragged.from_arrow takes binary, string or list arrays, got {kind}")
 
     # -- views --------------------------------------------------------------------------------
     @property

@@ -11,7 +11,7 @@ import torch
 
 from deeprec import optim
 from deeprec.distributed import ClusterSpec, PSClient, PSError, Server, parse_tf_config, read_endpoint_map
-from deeprec.distributed.ps import SERVICE
+from deeprec.distributed.ps_shard import SERVICE
 from deeprec.distributed.wire import pack
 from deeprec.errors import ConfigError
 from deeprec.nn import EmbeddingVariable
@@ -275,7 +275,7 @@ def test_launch_resume_onto_more_ps(tmp_path):
 
 
 def test_sync_push_applies_the_average_once_per_step():
-    from deeprec.distributed.ps import ShardState
+    from deeprec.distributed.ps_shard import ShardState
 
     def state():
         s = ShardState(0, 1)

@@ -8,7 +8,7 @@ from torch import nn
 import deeprec as dr
 from deeprec.data import CriteoReader
 from deeprec.graph import MultiStreamOptions, capture, colocate_with, minimum_chains, multi_stream_pass, stream
-from deeprec.graph.streams import STREAM_KEY
+from deeprec.graph.multi_stream import STREAM_KEY
 from deeprec.models import build_model
 from deeprec.optim import make_optimizer
 

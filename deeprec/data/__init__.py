@@ -1,10 +1,10 @@
 """Readers yielding raw batches, dataset schemas and presets, and the synthetic generators."""
 from deeprec.data.collate import collate
-from deeprec.data.criteo import CRITEO_COLUMNS, CRITEO_SCHEMA, DENSE, LABEL, SPARSE, CriteoReader, detect_layout
+from deeprec.data.criteo import CRITEO_SCHEMA, DENSE, LABEL, SPARSE, CriteoReader, detect_layout
 from deeprec.data.csv import CsvReader
 from deeprec.data.parquet import ParquetReader, write_parquet
 from deeprec.data.presets import PRESETS, detect_preset, schema_for
-from deeprec.data.reader import BatchReader, ColumnSpec, ReaderStats
+from deeprec.data.reader import BatchReader, ReaderStats
 from deeprec.data.schema import Column, Schema, load_schema, schema_from_dict, schema_to_dict
 from deeprec.data.synth import KAGGLE_CARDINALITIES, SMALL_CARDINALITIES, write_synthetic
 from deeprec.data.synth_behavior import write_behavior
@@ -38,8 +38,8 @@ def open_reader(paths, batch_size: int, schema=None, **kwargs) -> BatchReader:
     return CsvReader(files, schema, batch_size, **kwargs)
 
 
-__all__ = ["collate", "BatchReader", "ColumnSpec", "CriteoReader", "CsvReader", "ParquetReader", "ReaderStats", "Column",
+__all__ = ["collate", "BatchReader", "CriteoReader", "CsvReader", "ParquetReader", "ReaderStats", "Column",
            "Schema", "CRITEO_SCHEMA", "PRESETS", "detect_preset", "schema_for", "load_schema", "schema_from_dict",
            "schema_to_dict", "resolve_schema", "write_behavior",
-           "CRITEO_COLUMNS", "LABEL", "DENSE", "SPARSE", "KAGGLE_CARDINALITIES",
+           "LABEL", "DENSE", "SPARSE", "KAGGLE_CARDINALITIES",
            "SMALL_CARDINALITIES", "detect_layout", "open_reader", "write_parquet", "write_synthetic"]

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 from deeprec.data.csv import CHUNK_BYTES, CsvReader, FileLayout
 from deeprec.data.csv import detect_layout as _detect_layout
-from deeprec.data.reader import ColumnSpec
 from deeprec.data.schema import Column, Schema
 
 LABEL = "label"
 DENSE = tuple(f"I{i}" for i in range(1, 14))
 SPARSE = tuple(f"C{i}" for i in range(1, 27))
-CRITEO_COLUMNS = ColumnSpec(labels=(LABEL,), dense=DENSE, strings=SPARSE)
 CRITEO_SCHEMA = Schema((Column(LABEL, "label"), *(Column(c, "dense") for c in DENSE),
                         *(Column(c, "categorical") for c in SPARSE)), delimiter="auto", header="auto", name="Criteo")
 
@@ -35,4 +33,4 @@ class CriteoReader(CsvReader):
         super().__init__(paths, CRITEO_SCHEMA, batch_size, chunk_bytes=chunk_bytes, **kwargs)
 
 
-__all__ = ["CRITEO_COLUMNS", "CRITEO_SCHEMA", "CriteoReader", "DENSE", "LABEL", "SPARSE", "detect_layout"]
+__all__ = ["CRITEO_SCHEMA", "CriteoReader", "DENSE", "LABEL", "SPARSE", "detect_layout"]

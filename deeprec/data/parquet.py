@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from deeprec.data.criteo import CRITEO_SCHEMA
-from deeprec.data.reader import BatchReader, ColumnSpec, resolve_paths
+from deeprec.data.reader import BatchReader, resolve_paths
 from deeprec.data.schema import Schema, check_labels
 from deeprec.errors import DataError
 from deeprec.ragged import Ragged
@@ -27,7 +27,7 @@ READ_ROWS = 65536
 class ParquetReader(BatchReader):
     """Streaming Parquet reader; same arguments and batches as `CriteoReader`."""
 
-    def __init__(self, paths, batch_size: int, *, columns: ColumnSpec | Schema = CRITEO_SCHEMA, **kwargs):
+    def __init__(self, paths, batch_size: int, *, columns: Schema = CRITEO_SCHEMA, **kwargs):
         super().__init__(resolve_paths(paths), batch_size, columns, **kwargs)  # self.columns: a Schema
         self._row_groups = {}
         for path in self.paths:

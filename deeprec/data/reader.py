@@ -34,26 +34,6 @@ class ReaderStats:
     bad_row_examples: list = field(default_factory=list)  # "path:line: reason", first few
 
 
-@dataclass(frozen=True)
-class ColumnSpec:
-    """Which columns a raw batch holds and how each reaches `forward`."""
-
-    labels: tuple[str, ...]
-    dense: tuple[str, ...]  # float32 tensors, NaN for missing
-    strings: tuple[str, ...]  # string columns: deeprec.Ragged of bytes
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return self.labels + self.dense + self.strings
-
-    def to_schema(self):
-        """The same columns as a `deeprec.data.Schema` (what the readers work with)."""
-        from deeprec.data.schema import Column, Schema
-
-        return Schema((*(Column(n, "label") for n in self.labels), *(Column(n, "dense") for n in self.dense),
-                       *(Column(n, "categorical") for n in self.strings)))
-
-
 class BatchReader(torch.utils.data.IterableDataset):
     """Base class; see `CriteoReader` and `ParquetReader`.
 
@@ -84,7 +64,7 @@ class BatchReader(torch.utils.data.IterableDataset):
         if shuffle_buffer < 0:
             raise ConfigError(f"shuffle_buffer must be >= 0, got {shuffle_buffer}")
         self.batch_size = batch_size
-        self.columns = columns.to_schema() if isinstance(columns, ColumnSpec) else columns  # a Schema
+        self.columns = columns  # a deeprec.data.Schema
         self.shuffle_buffer = shuffle_buffer
         self.seed = seed
         self.num_epochs = num_epochs

@@ -15,7 +15,7 @@ import zlib
 import grpc
 import torch
 
-from deeprec.distributed.ps import GRPC_OPTIONS, SERVICE
+from deeprec.distributed.ps_shard import GRPC_OPTIONS, SERVICE
 from deeprec.distributed.tuning import core_number, pin_cores, pin_current_thread
 from deeprec.distributed.wire import pack, unpack
 from deeprec.errors import DeepRecError, check_choice

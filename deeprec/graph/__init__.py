@@ -2,8 +2,8 @@
 from deeprec.graph.capture import CaptureError, capture
 from deeprec.graph.markers import mark_target_node, staged
 from deeprec.graph.smart_stage import StagePartition, find_stage_region, smart_stage_pass
-from deeprec.graph.streams import (MultiStreamOptions, colocate_with, minimum_chains, multi_stream_pass,
-                                   stream, stream_summary)
+from deeprec.graph.multi_stream import (MultiStreamOptions, colocate_with, minimum_chains, multi_stream_pass,
+                                        stream, stream_summary)
 
 __all__ = ["CaptureError", "capture", "mark_target_node", "staged", "StagePartition",
            "find_stage_region", "smart_stage_pass", "MultiStreamOptions", "colocate_with", "minimum_chains",

@@ -9,7 +9,7 @@ import torch
 import torch.fx
 
 from deeprec.errors import DeepRecError
-from deeprec.graph.streams import record_user_stream
+from deeprec.graph.multi_stream import record_user_stream
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _DEEPREC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

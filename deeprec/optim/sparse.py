@@ -158,4 +158,4 @@ class FTRL(RowSparseOptimizer):
         weight.index_copy_(0, rows, new_w)
 
 
-OPTIMIZERS = {"sgd": SGD, "adagrad": Adagrad, "adam": Adam, "adamasync": AdamAsync, "ftrl": FTRL}
+ROW_SPARSE = {"sgd": SGD, "adagrad": Adagrad, "adam": Adam, "adamasync": AdamAsync, "ftrl": FTRL}  # by name, for the PS

@@ -15,8 +15,8 @@ import torch
 import torch.fx
 
 from deeprec.config import Config
-from deeprec.graph.streams import multi_stream_pass
-from deeprec.runtime.streams import StreamRunner
+from deeprec.graph.multi_stream import multi_stream_pass
+from deeprec.runtime.stream_runner import StreamRunner
 
 log = logging.getLogger("deeprec.optimize")
 

@@ -24,7 +24,7 @@ from deeprec.config import Config
 from deeprec.graph.capture import capture
 from deeprec.graph.markers import staged
 from deeprec.graph.smart_stage import StagePartition, smart_stage_pass
-from deeprec.graph.streams import stream_summary
+from deeprec.graph.multi_stream import stream_summary
 from deeprec.runtime.auto_stage import run_auto
 from deeprec.runtime.hardware import fast_bf16
 from deeprec.runtime.main_step import MainStep

@@ -1,4 +1,4 @@
-"""Running a graph whose nodes carry `meta["stream"]` (deeprec.graph.streams).
+"""Running a graph whose nodes carry `meta["stream"]` (deeprec.graph.multi_stream).
 
     CPU:   stream 0 = the calling thread; stream s > 0 = worker thread s.
            Each runs its own nodes in graph order; an input from another
@@ -21,7 +21,7 @@ import torch
 import torch.fx
 from torch.profiler import record_function
 
-from deeprec.graph.streams import STREAM_KEY
+from deeprec.graph.multi_stream import STREAM_KEY
 
 
 class _Abort(Exception):

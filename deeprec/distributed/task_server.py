@@ -33,7 +33,7 @@ class Server:
             self.start()
 
     def start(self) -> None:
-        from deeprec.distributed.ps import serve
+        from deeprec.distributed.ps_shard import serve
 
         workers = sum(self.cluster.num_tasks(j) for j in ("worker", "chief") if j in self.cluster.jobs)
         self._server, self.port = serve(self.bind_address, self.task_index, self.cluster.num_tasks("ps"),

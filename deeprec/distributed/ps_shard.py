@@ -34,10 +34,10 @@ GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receiv
 
 
 def make_optimizer(name: str, lr: float) -> sparse.RowSparseOptimizer:
-    if name not in sparse.OPTIMIZERS:
-        raise WireError(f"optimizer {name!r} is not one of {', '.join(sparse.OPTIMIZERS)}")
+    if name not in sparse.ROW_SPARSE:
+        raise WireError(f"optimizer {name!r} is not one of {', '.join(sparse.ROW_SPARSE)}")
     try:
-        return sparse.OPTIMIZERS[name](lr=lr)
+        return sparse.ROW_SPARSE[name](lr=lr)
     except (ConfigError, ValueError) as err:  # a bad request, not a PS failure
         raise WireError(f"optimizer {name!r}: {err}") from None
 
