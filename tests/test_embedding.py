@@ -413,6 +413,12 @@ def test_embedding_variable_as_a_layer_with_duplicate_ids():
     assert ev.optimizer.step_count == 1 and ev.global_step == 1
     unknown = ev(torch.tensor([123456]))  # eval: an unseen key reads the default, inserts nothing
     assert unknown.shape == (1, 4) and len(ev.export()["keys"]) == 3
+    # its optimizer's step count travels with the model's state_dict (Adam's bias correction resumes exactly)
+    twin = torch.nn.ModuleDict({"ev": EmbeddingVariable(4, name="item"), "head": torch.nn.Linear(4, 1)})
+    optim.make_optimizer(twin, "sgd", lr=0.5)
+    twin.load_state_dict(model.state_dict())
+    assert twin["ev"].optimizer.step_count == 1
+    assert torch.equal(twin["ev"](torch.tensor([3, 7])), ev(torch.tensor([3, 7])))
 
 
 def test_embedding_variable_gradient_without_optimizer_is_a_clear_error():

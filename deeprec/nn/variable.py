@@ -358,6 +358,8 @@ class EmbeddingVariable(nn.Module):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         for key, value in self.export(incremental=getattr(_SAVING, "incremental", False)).items():
             destination[prefix + key] = value
+        if self.optimizer is not None:  # ev(ids)'s own optimizer: its step count (Adam's bias correction)
+            destination[prefix + "optimizer_step"] = torch.tensor(self.optimizer.step_count)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -367,6 +369,8 @@ class EmbeddingVariable(nn.Module):
             missing_keys.append(prefix + "keys")
             return
         self.load(mine)
+        if "optimizer_step" in mine and self.optimizer is not None:
+            self.optimizer.load_state_dict({"step_count": int(mine["optimizer_step"])})
 
     def extra_repr(self) -> str:
         return f"dim={self.embedding_dim}, keys={self.size}, shard={self.shard_index}/{self.num_shards}"
