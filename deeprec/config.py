@@ -5,7 +5,7 @@ Names and defaults follow `shared/seeds/smart-stage.md` (SmartStageOptions) and
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from deeprec.options import option
 

@@ -137,15 +137,20 @@ def merge(base: dict, override: dict) -> dict:
     return out
 
 
-def load_toml(path: str, cls) -> dict:
-    """A TOML file whose keys are `cls`'s field names (tables for nested options)."""
+def read_toml(path: str, what: str = "config") -> dict:
+    """A TOML file as a dict; a missing file or bad TOML is a ConfigError naming the file."""
     if not os.path.exists(path):
-        raise ConfigError(f"no such config file: {path!r}")
+        raise ConfigError(f"no such {what} file: {path!r}")
     with open(path, "rb") as f:
         try:
-            values = tomllib.load(f)
+            return tomllib.load(f)
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"{path}: not valid TOML: {err}") from None
+
+
+def load_toml(path: str, cls) -> dict:
+    """A TOML file whose keys are `cls`'s field names (tables for nested options)."""
+    values = read_toml(path)
     _check_keys(values, cls, path, ())
     return values
 

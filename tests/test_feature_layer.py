@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import deeprec as dr
-from deeprec.cli import main, sample_path
-from deeprec.data import PRESETS, CsvReader, open_reader, resolve_schema
+from deeprec.cli import sample_path
+from deeprec.data import open_reader, resolve_schema
 from deeprec.models import MODELS, build_model
 from deeprec.nn import EmbeddingCollection, EmbeddingFeature, EmbeddingVariableOption, InitializerOption
 from deeprec.optim import make_optimizer

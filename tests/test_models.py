@@ -5,7 +5,7 @@ import torch.fx
 from deeprec.graph import capture
 
 from deeprec.data import CriteoReader
-from deeprec.models import MODELS, DLRMConfig, build_model
+from deeprec.models import DLRMConfig, build_model
 
 CRITEO_MODELS = ("dlrm", "deepfm", "wdl")  # the behaviour models: tests/test_behavior_models.py
 from deeprec.errors import ConfigError

@@ -21,7 +21,6 @@ What each kind becomes in a raw batch (the same conventions as CriteoReader):
 from __future__ import annotations
 
 import os
-import tomllib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,6 +29,7 @@ import pyarrow.compute as pc
 import torch
 
 from deeprec.errors import ConfigError, check_choice
+from deeprec.options import read_toml
 from deeprec.ragged import Ragged
 
 KINDS = ("label", "dense", "categorical", "sequence", "weight", "ignore")
@@ -223,14 +223,7 @@ def load_schema(path: str) -> Schema:
         name = "click"
         kind = "label"
     """
-    if not os.path.exists(path):
-        raise ConfigError(f"no such schema file: {path!r}")
-    with open(path, "rb") as f:
-        try:
-            spec = tomllib.load(f)
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"{path}: not valid TOML: {err}") from None
-    return schema_from_dict(spec, where=path)
+    return schema_from_dict(read_toml(path, "schema"), where=path)
 
 
 def schema_from_dict(spec: dict, where: str = "schema") -> Schema:

@@ -101,17 +101,36 @@ class WorkerTask:
         return self.index == 0
 
 
-def worker_task_from_env() -> WorkerTask | None:
-    """This process's worker task from TF_CONFIG (None when it is not set), with the
-    PS addresses mapped through `.endpoint_map`; the one place TF_CONFIG becomes addresses."""
+@dataclass(frozen=True)
+class PSTask:
+    """What a PS shard needs from TF_CONFIG."""
+
+    shard: int
+    num_shards: int
+    num_workers: int
+
+
+def task_from_env(job: str) -> WorkerTask | PSTask | None:
+    """This process's task from TF_CONFIG (None when it is not set): a WorkerTask for
+    job="worker" (PS addresses mapped through `.endpoint_map`), a PSTask for job="ps".
+    The one place TF_CONFIG becomes what a task needs."""
     if not os.environ.get("TF_CONFIG"):
         return None
     task = parse_tf_config()
+    cluster = task.cluster
+    if job == "ps":
+        if task.job_name != "ps":
+            raise ConfigError(f"TF_CONFIG describes a {task.job_name!r} task, not a ps task")
+        return PSTask(task.task_index, cluster.num_tasks("ps"), cluster.num_tasks("worker") + cluster.num_tasks("chief"))
     if task.job_name not in ("worker", "chief"):
         raise ConfigError(f"`deeprec train` runs worker tasks; TF_CONFIG says {task.job_name!r} "
                           "(start PS tasks with `python -m deeprec.distributed`)")
-    return WorkerTask(ps_addresses(task.cluster), task.task_index, task.cluster.num_tasks("worker"),
+    return WorkerTask(ps_addresses(cluster), task.task_index, cluster.num_tasks("worker"),
                       os.environ.get("DEEPREC_PROTOCOL"))
+
+
+def worker_task_from_env() -> WorkerTask | None:
+    return task_from_env("worker")
 
 
 def ps_addresses(cluster: ClusterSpec, endpoints: dict[str, str] | None = None) -> list[str]:

@@ -292,16 +292,17 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, help="default: NETWORK_PS_CORE_NUMBER, else min(8, workers)")
     parser.add_argument("--workers", type=int, help="workers that will connect (default: TF_CONFIG's, else 8)")
     args = parser.parse_args(argv)
-    if os.environ.get("TF_CONFIG") and (args.shard is None or args.num_shards is None):
-        from deeprec.distributed.cluster import parse_tf_config
+    if args.shard is None or args.num_shards is None:
+        from deeprec.distributed.cluster import task_from_env
 
-        task = parse_tf_config()
-        if task.job_name != "ps":
-            raise SystemExit(f"TF_CONFIG describes a {task.job_name!r} task, not a ps task")
-        args.shard = task.task_index if args.shard is None else args.shard
-        args.num_shards = task.cluster.num_tasks("ps") if args.num_shards is None else args.num_shards
-        if args.workers is None and "worker" in task.cluster.jobs:
-            args.workers = task.cluster.num_tasks("worker") + task.cluster.num_tasks("chief")
+        try:
+            task = task_from_env("ps")
+        except ConfigError as err:
+            raise SystemExit(f"error: {err}") from None
+        if task is not None:
+            args.shard = task.shard if args.shard is None else args.shard
+            args.num_shards = task.num_shards if args.num_shards is None else args.num_shards
+            args.workers = args.workers or task.num_workers or None
     args.shard = 0 if args.shard is None else args.shard
     args.num_shards = 1 if args.num_shards is None else args.num_shards
     torch.set_num_threads(1)

@@ -24,10 +24,11 @@ import torch
 from torch import nn
 
 from deeprec.errors import ConfigError, check_choice
-from deeprec.nn.lookup import COMBINERS, Ragged, RowGather, assemble, merge_shared_tables, prepare_bags
+from deeprec.nn.lookup import COMBINERS, RowGather, assemble, merge_shared_tables, prepare_bags
 from deeprec.nn.options import EmbeddingVariableOption
 from deeprec.nn.variable import EmbeddingVariable, EVTable
 from deeprec.optim.sparse import RowSparseOptimizer, merge_rows
+from deeprec.ragged import Ragged
 
 
 @dataclass

@@ -18,7 +18,6 @@ from typing import Sequence
 import torch
 
 from deeprec.ops.graph_op import op
-from deeprec.ragged import Ragged
 
 COMBINERS = ("sum", "mean", "sqrtn")
 
