@@ -56,6 +56,8 @@ def unpack(message: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
         header = json.loads(bytes(memoryview(message)[_LEN.size:_LEN.size + head_len]))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise WireError(f"header is not JSON: {err}") from None
+    except RecursionError:
+        raise WireError("header JSON is nested too deeply") from None
     if not isinstance(header, dict) or not isinstance(header.get("tensors", {}), dict):
         raise WireError("header must be a JSON object with a 'tensors' object")
     base = _LEN.size + head_len
@@ -65,10 +67,12 @@ def unpack(message: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
         try:
             dtype = DTYPES[spec["dtype"]]
             shape, off, n = [int(d) for d in spec["shape"]], int(spec["off"]), int(spec["n"])
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             raise WireError(f"tensor {name!r}: spec needs dtype (one of {', '.join(DTYPES)}), shape, off, n") from None
-        count = int(np.prod(shape)) if shape else 1
-        if any(d < 0 for d in shape) or count * torch.empty(0, dtype=dtype).element_size() != n:
+        count = 1
+        for d in shape:  # Python ints: a huge shape cannot overflow into a small byte count
+            count *= d
+        if len(shape) > 16 or any(d < 0 for d in shape) or count * torch.empty(0, dtype=dtype).element_size() != n:
             raise WireError(f"tensor {name!r}: shape {shape} of {spec['dtype']} is not {n} bytes")
         if off < 0 or off + n > payload_len:
             raise WireError(f"tensor {name!r}: bytes [{off}, {off + n}) outside the {payload_len}-byte payload")

@@ -254,7 +254,8 @@ class EmbeddingVariable(nn.Module):
         return self._cbf[positions].min(dim=0).values >= f.filter_freq
 
     def rows_for(self, keys: torch.Tensor, counts: torch.Tensor | None = None, train: bool = True) -> torch.Tensor:
-        """Rows of unique `keys` (-1: not admitted or, outside training, unknown).
+        """Rows of `keys` (-1: not admitted or, outside training, unknown); a key given
+        twice gets one row.
 
         In training, counts the sightings and inserts admitted new keys."""
         keys = keys.to(torch.int64)
@@ -265,10 +266,19 @@ class EmbeddingVariable(nn.Module):
             counts = torch.ones_like(keys) if counts is None else counts.to(torch.int64)
             missing = rows < 0
             if missing.any():
-                admitted = self._admit(keys[missing], counts[missing])
-                if admitted.any():
-                    where = torch.nonzero(missing).squeeze(1)[admitted]
-                    rows[where] = self._insert(keys[where])
+                where = torch.nonzero(missing).squeeze(1)
+                new_keys, repeat = torch.unique(keys[where], return_inverse=True)
+                if new_keys.numel() == where.numel():  # distinct: insert in order of first sight
+                    admitted = self._admit(keys[where], counts[where])
+                    if admitted.any():
+                        rows[where[admitted]] = self._insert(keys[where[admitted]])
+                else:  # a new key given more than once: one admission decision and one row
+                    new_counts = torch.zeros(new_keys.numel(), dtype=torch.int64).index_add_(0, repeat, counts[where])
+                    admitted = self._admit(new_keys, new_counts)
+                    new_rows = torch.full((new_keys.numel(),), -1, dtype=torch.int64)
+                    if admitted.any():
+                        new_rows[admitted] = self._insert(new_keys[admitted])
+                    rows[where] = new_rows[repeat]
             known = rows >= 0
             self.freq.index_add_(0, rows[known], counts[known])
             return rows

@@ -1,0 +1,135 @@
+"""A PS probed as a careless or hostile client on loopback would: every malformed field gets
+INVALID_ARGUMENT, limits get RESOURCE_EXHAUSTED, nothing half-changes, and the PS stays up."""
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from deeprec.distributed import PSClient
+from deeprec.distributed.ps_shard import SERVICE
+from deeprec.distributed.wire import pack, unpack
+
+
+def start(*extra):
+    proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "127.0.0.1:0", "--threads", "4",
+                             *extra], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert "listening on" in line, line
+    return proc, line.split()[-1]
+
+
+@pytest.fixture
+def ps():
+    started = []
+
+    def make(*extra):
+        proc, address = start(*extra)
+        started.append(proc)
+        channel = grpc.insecure_channel(address)
+        calls = {m: channel.unary_unary(f"/{SERVICE}/{m}") for m in ("Register", "Pull", "Push", "Load", "Export",
+                                                                      "Health")}
+        return proc, address, calls
+
+    yield make
+    for proc in started:
+        proc.kill()
+        proc.wait(10)
+
+
+def status(call, request, timeout=10):
+    try:
+        return call(request, timeout=timeout), None
+    except grpc.RpcError as err:
+        return None, err
+
+
+def test_malformed_fields_get_invalid_argument(ps):
+    proc, _, calls = ps()
+    register = calls["Register"]
+    deep = b"[" * 100_000 + b"]" * 100_000
+    cases = [
+        (register, pack({"variables": [{"name": "e", "kind": "embedding"}]}), "'dim' must be int"),
+        (register, pack({"variables": [{"name": "e", "kind": "embedding", "dim": "abc"}]}), "'dim' must be int"),
+        (register, pack({"variables": [{"name": "e", "kind": "embedding", "dim": 100_000}]}), "'dim' must be in"),
+        (register, pack({"variables": [{"name": "e", "kind": "embedding", "dim": 4, "lr": "x"}]}), "'lr' must be"),
+        (register, pack({"variables": "abc"}), "'variables' must be a list"),
+        (register, len(deep).to_bytes(4, "little") + deep, "nested too deeply"),
+        (calls["Pull"], pack({"vars": []}, {})[:4] + json.dumps({"tensors": {"k": {
+            "dtype": "int64", "shape": [1 << 62, 1 << 62], "off": 0, "n": 8}}}).encode()[4:], ""),
+        (calls["Push"], pack({"vars": [], "workers": "many"}), "'workers' must be an int"),
+        (calls["Pull"], pack({"vars": [], "after_step": "soon"}), "'after_step' must be an int"),
+    ]
+    for call, request, message in cases:
+        _, err = status(call, request)
+        assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT, (message, err)
+        assert message in err.details()
+    assert proc.poll() is None
+    assert unpack(calls["Health"](pack({}), timeout=5))[0]["generation"] == 0
+
+
+def test_memory_budget_refuses_register_and_inserts(ps):
+    _, address, calls = ps("--max-memory", str(8 << 20))
+    dense = {"variables": [{"name": "w", "kind": "dense"}]}
+    _, err = status(calls["Register"], pack(dense, {"init/w": torch.zeros(1 << 20)}))  # 4 MB x 3 with slots
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-memory" in err.details()
+    client = PSClient([address], deadline_s=20)
+    client.register({"emb": 64}, {})
+    with pytest.raises(Exception, match="RESOURCE_EXHAUSTED"):
+        for start_key in range(0, 1 << 20, 1 << 15):  # keep inserting until the budget is spent
+            client.pull({"emb": torch.arange(start_key, start_key + (1 << 15))})
+    assert client.pull({"emb": torch.tensor([1, 2])}, train=False)["emb"].shape == (2, 64)  # still serving
+    client.close()
+
+
+def test_duplicate_keys_share_one_row_and_their_gradients_are_summed(ps):
+    _, address, _ = ps()
+    client = PSClient([address], deadline_s=20)
+    client.register({"emb": 2}, {}, optimizer="sgd", lr=1.0)
+    rows = client.pull({"emb": torch.tensor([7, 7, 9])})["emb"]
+    assert torch.equal(rows[0], rows[1])
+    state = client.snapshot()
+    assert sorted(state["emb/emb/keys"].tolist()) == [7, 9]  # one row for key 7
+    client.push({"emb": (torch.tensor([7, 7]), torch.ones(2, 2))})  # pushed twice: summed, one update
+    after = client.pull({"emb": torch.tensor([7])}, train=False)["emb"][0]
+    assert torch.allclose(after, rows[0] - 2.0)
+    client.close()
+
+
+def test_a_bad_load_changes_nothing(ps):
+    _, address, calls = ps()
+    client = PSClient([address], deadline_s=20)
+    client.register({"emb": 2}, {"w": torch.ones(3)})
+    client.pull({"emb": torch.tensor([1, 2, 3])})
+    before = client.snapshot()
+    broken = {k: v for k, v in before.items() if not k.endswith("/freq")}  # a field missing
+    _, err = status(calls["Load"], pack({}, broken))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "lacks" in err.details()
+    after = client.snapshot()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    client.close()
+
+
+def test_waiting_pulls_are_bounded_and_health_is_always_answered(ps):
+    _, address, calls = ps()
+    waiting = pack({"vars": [], "after_step": 10 ** 12})
+    results = []
+
+    def wait():
+        results.append(status(calls["Pull"], waiting, timeout=8)[1])
+
+    threads = [threading.Thread(target=wait) for _ in range(3)]  # 4 gRPC threads: at most 2 may wait
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    started = time.monotonic()
+    assert unpack(calls["Health"](pack({}), timeout=3))[0]["shard"] == 0
+    assert time.monotonic() - started < 2
+    for t in threads:
+        t.join(15)
+    codes = sorted(err.code().name for err in results)
+    assert codes == ["DEADLINE_EXCEEDED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"], codes
