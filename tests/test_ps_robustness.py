@@ -133,3 +133,129 @@ def test_waiting_pulls_are_bounded_and_health_is_always_answered(ps):
         t.join(15)
     codes = sorted(err.code().name for err in results)
     assert codes == ["DEADLINE_EXCEEDED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"], codes
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_token_is_required_on_every_call(monkeypatch):
+    import os
+
+    from deeprec.distributed.client import PSError
+
+    env = dict(os.environ, DEEPREC_PS_TOKEN="s3cret-token")
+    proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "127.0.0.1:0"],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        address = proc.stdout.readline().split()[-1]
+        for token in (None, "wrong-token"):
+            if token is None:
+                monkeypatch.delenv("DEEPREC_PS_TOKEN", raising=False)
+            else:
+                monkeypatch.setenv("DEEPREC_PS_TOKEN", token)
+            client = PSClient([address], deadline_s=10)
+            with pytest.raises(PSError, match="UNAUTHENTICATED"):
+                client.register({"emb": 2}, {})
+            client.close()
+        monkeypatch.setenv("DEEPREC_PS_TOKEN", "s3cret-token")
+        client = PSClient([address], deadline_s=10)
+        client.register({"emb": 2}, {})
+        assert client.pull({"emb": torch.tensor([3])})["emb"].shape == (1, 2)
+        client.close()
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_a_ps_on_a_public_address_needs_a_token_or_insecure(monkeypatch):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "DEEPREC_PS_TOKEN"}
+    done = subprocess.run([sys.executable, "-m", "deeprec.distributed", "--bind", "0.0.0.0:0"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "no token" in done.stderr and "--insecure" in done.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "0.0.0.0:0", "--insecure"],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert "listening on 0.0.0.0:" in proc.stdout.readline()
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_tls_serves_clients_that_trust_its_ca(tmp_path, monkeypatch):
+    import shutil
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "127.0.0.1:0",
+                             "--tls-cert", str(cert), "--tls-key", str(key)], stdout=subprocess.PIPE, text=True)
+    try:
+        address = proc.stdout.readline().split()[-1]
+        monkeypatch.setenv("DEEPREC_PS_TLS_CA", str(cert))
+        client = PSClient([address], deadline_s=10)
+        client.register({"emb": 2}, {})
+        assert client.pull({"emb": torch.tensor([3])})["emb"].shape == (1, 2)
+        client.close()
+        monkeypatch.delenv("DEEPREC_PS_TLS_CA")
+        plain = PSClient([address], deadline_s=5)
+        with pytest.raises(Exception):
+            plain.wait_ready(timeout_s=3)
+            plain.register({"emb": 2}, {})
+        plain.close()
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_a_ps_takes_its_port_from_tf_config(tmp_path):
+    import os
+
+    port = free_port()
+    tf_config = json.dumps({"cluster": {"ps": [f"127.0.0.1:{port}"], "worker": ["127.0.0.1:1"]},
+                            "task": {"type": "ps", "index": 0}})
+    proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed"], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, TF_CONFIG=tf_config), cwd=tmp_path)
+    try:
+        assert f"listening on 127.0.0.1:{port}" in proc.stdout.readline()
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_sigterm_to_launch_stops_and_reaps_every_process(tmp_path):
+    import os
+    import signal
+
+    env = dict(os.environ, DEEPREC_CACHE=str(tmp_path))
+    launcher = subprocess.Popen([sys.executable, "-m", "deeprec.cli", "launch", "--ps", "2", "--workers", "1", "--",
+                                 "train", "--model", "dlrm", "--synthetic", "3000", "--cardinalities", "small",
+                                 "--steps", "1000000", "--batch-size", "32"],
+                                stdout=subprocess.PIPE, text=True, env=env)
+    seen = []
+    while len(seen) < 2:  # both PSs up, then the worker starts
+        line = launcher.stdout.readline()
+        assert line, "launch ended early"
+        if "listening on" in line:
+            seen.append(line)
+    time.sleep(3)
+
+    def children(pid):
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+    kids = children(launcher.pid)
+    assert len(kids) == 3, kids  # two PSs and one worker
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(30) != 0
+    for pid in kids:
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z", pid

@@ -16,6 +16,7 @@ import grpc
 import torch
 
 from deeprec.distributed.ps_shard import GRPC_OPTIONS, SERVICE
+from deeprec.distributed import security
 from deeprec.distributed.tuning import core_number, pin_cores, pin_current_thread
 from deeprec.distributed.wire import pack, unpack
 from deeprec.errors import DeepRecError, check_choice
@@ -33,7 +34,8 @@ class PSClient:
                  threads: int | None = None):
         check_choice("protocol", protocol, PROTOCOLS)
         self.addresses, self.protocol, self.deadline_s = list(addresses), protocol, deadline_s
-        self.channels = [grpc.insecure_channel(a, options=GRPC_OPTIONS) for a in self.addresses]
+        self.channels = [security.channel(a, GRPC_OPTIONS) for a in self.addresses]
+        self._metadata = security.call_metadata(security.read_token())  # DEEPREC_PS_TOKEN
         self._calls = {m: [ch.unary_unary(f"/{SERVICE}/{m}") for ch in self.channels]
                        for m in ("Register", "Pull", "Push", "PushPull", "Export", "Load", "Health")}
         # NETWORK_WORKER_CORE_NUMBER threads encode and decode; the pool has at least one
@@ -61,7 +63,7 @@ class PSClient:
             header = {**header, "after_step": self.after_step}
         request = pack(header, tensors)
         try:
-            reply = self._calls[method][ps](request, timeout=self.deadline_s)
+            reply = self._calls[method][ps](request, timeout=self.deadline_s, metadata=self._metadata)
         except grpc.RpcError as err:
             raise PSError(f"PS {ps} at {self.addresses[ps]}: {method} failed: {err.code().name}: "
                           f"{err.details()}") from None

@@ -108,6 +108,7 @@ class PSTask:
     shard: int
     num_shards: int
     num_workers: int
+    address: str  # this task's data-plane address (cluster address through .endpoint_map)
 
 
 def task_from_env(job: str) -> WorkerTask | PSTask | None:
@@ -121,7 +122,8 @@ def task_from_env(job: str) -> WorkerTask | PSTask | None:
     if job == "ps":
         if task.job_name != "ps":
             raise ConfigError(f"TF_CONFIG describes a {task.job_name!r} task, not a ps task")
-        return PSTask(task.task_index, cluster.num_tasks("ps"), cluster.num_tasks("worker") + cluster.num_tasks("chief"))
+        return PSTask(task.task_index, cluster.num_tasks("ps"), cluster.num_tasks("worker") + cluster.num_tasks("chief"),
+                      ps_addresses(cluster)[task.task_index])
     if task.job_name not in ("worker", "chief"):
         raise ConfigError(f"`deeprec train` runs worker tasks; TF_CONFIG says {task.job_name!r} "
                           "(start PS tasks with `python -m deeprec.distributed`)")

@@ -5,17 +5,22 @@
 Starts the PS shards (each prints its port), then the workers with TF_CONFIG set
 as a Kubernetes operator would; streams every worker's output prefixed with its
 name; exits with the first failing worker's code (the others go on), and stops
-the PSs at the end.
+the PSs at the end. The job gets its own PS token (DEEPREC_PS_TOKEN, through the
+environment); SIGTERM or SIGINT to the launcher reaches every process it started,
+and all of them are reaped before it exits.
 """
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import signal
 import subprocess
 import sys
 import threading
 
 from deeprec.distributed.client import PROTOCOLS
+from deeprec.distributed.security import TOKEN_ENV
 from deeprec.errors import ConfigError
 
 
@@ -41,39 +46,68 @@ def launch(num_ps: int, num_workers: int, protocol: str, train_args: list[str], 
         train_args = [*train_args, "--resume"]
     if sync:
         train_args = [*train_args, "--sync"]
-    ps_procs, ps_addresses = [], []
+    env = dict(os.environ, **{TOKEN_ENV: os.environ.get(TOKEN_ENV) or secrets.token_hex(32)})
+    children: list[subprocess.Popen] = []
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def forward(signum, frame):  # stop the whole job: every child gets the signal, then is reaped below
+        for proc in children:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+        raise SystemExit(128 + signum)
+
+    in_main = threading.current_thread() is threading.main_thread()
+    if in_main:
+        for sig in previous:
+            signal.signal(sig, forward)
     try:
-        for i in range(num_ps):
-            proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "127.0.0.1:0",
-                                     "--shard", str(i), "--num-shards", str(num_ps), "--workers", str(num_workers)],
-                                    stdout=subprocess.PIPE, text=True)
-            line = proc.stdout.readline()
-            if "listening on" not in line:
-                raise RuntimeError(f"PS {i} did not start: {line.strip() or 'no output'}")
-            ps_procs.append(proc)
-            ps_addresses.append(line.split()[-1])
-            out.write(f"[ps{i}] {line}")
-        workers = ["127.0.0.1:0"] * num_workers  # workers serve nothing: placeholder addresses
-        cluster = {"ps": ps_addresses, "worker": workers}
-        procs = []
-        for i in range(num_workers):
-            env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}),
-                       DEEPREC_PROTOCOL=protocol)
-            proc = subprocess.Popen([sys.executable, "-m", "deeprec.cli", *train_args], env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            thread = threading.Thread(target=_stream, args=(f"worker{i}", proc.stdout, out), daemon=True)
-            thread.start()
-            procs.append((proc, thread))
-        codes = []
-        for i, (proc, thread) in enumerate(procs):
-            codes.append(proc.wait())
-            thread.join(10)
-            if codes[-1] != 0:
-                out.write(f"[launch] worker{i} failed with exit code {codes[-1]}\n")
-        failed = [c for c in codes if c != 0]
-        out.write(f"[launch] {len(codes) - len(failed)}/{len(codes)} workers succeeded\n")
-        return failed[0] if failed else 0
+        return _run(num_ps, num_workers, protocol, train_args, out, env, children)
     finally:
-        for proc in ps_procs:
-            proc.kill()
-            proc.wait(10)
+        for proc in children:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in children:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        if in_main:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def _run(num_ps: int, num_workers: int, protocol: str, train_args: list[str], out, env: dict,
+         children: list) -> int:
+    ps_addresses = []
+    for i in range(num_ps):
+        proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "127.0.0.1:0",
+                                 "--shard", str(i), "--num-shards", str(num_ps), "--workers", str(num_workers)],
+                                stdout=subprocess.PIPE, text=True, env=env)
+        children.append(proc)
+        line = proc.stdout.readline()
+        if "listening on" not in line:
+            raise RuntimeError(f"PS {i} did not start: {line.strip() or 'no output'}")
+        ps_addresses.append(line.split()[-1])
+        out.write(f"[ps{i}] {line}")
+    workers = ["127.0.0.1:0"] * num_workers  # workers serve nothing: placeholder addresses
+    cluster = {"ps": ps_addresses, "worker": workers}
+    procs = []
+    for i in range(num_workers):
+        worker_env = dict(env, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}),
+                          DEEPREC_PROTOCOL=protocol)
+        proc = subprocess.Popen([sys.executable, "-m", "deeprec.cli", *train_args], env=worker_env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        children.append(proc)
+        thread = threading.Thread(target=_stream, args=(f"worker{i}", proc.stdout, out), daemon=True)
+        thread.start()
+        procs.append((proc, thread))
+    codes = []
+    for i, (proc, thread) in enumerate(procs):
+        codes.append(proc.wait())
+        thread.join(10)
+        if codes[-1] != 0:
+            out.write(f"[launch] worker{i} failed with exit code {codes[-1]}\n")
+    failed = [c for c in codes if c != 0]
+    out.write(f"[launch] {len(codes) - len(failed)}/{len(codes)} workers succeeded\n")
+    return failed[0] if failed else 0

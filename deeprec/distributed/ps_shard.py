@@ -22,6 +22,7 @@ import time
 import grpc
 import torch
 
+from deeprec.distributed import security
 from deeprec.distributed.tuning import core_number, pin_cores, pin_current_thread
 from deeprec.distributed.wire import WireError, pack, unpack
 from deeprec.errors import ConfigError
@@ -402,17 +403,24 @@ def _names(header: dict, key: str) -> list:
 
 
 def serve(bind: str, shard_index: int, num_shards: int, threads: int | None = None,
-          connections: int = 8, max_memory: int | None = None, max_dim: int = MAX_DIM) -> tuple[grpc.Server, int]:
+          connections: int = 8, max_memory: int | None = None, max_dim: int = MAX_DIM, token: str | None = None,
+          credentials=None, insecure: bool = False) -> tuple[grpc.Server, int]:
     """Start a PS shard listening on `bind` ("host:port", port 0 = any); returns (server, port).
-    `threads`: gRPC handler threads (default NETWORK_PS_CORE_NUMBER, else min(8, connections))."""
+    `threads`: gRPC handler threads (default NETWORK_PS_CORE_NUMBER, else min(8, connections)).
+    `token`: every call must carry it (deeprec.distributed.security); a non-loopback `bind`
+    without one is refused unless `insecure`. `credentials`: gRPC SSL server credentials."""
+    if not token and not insecure and not security.is_loopback(bind):
+        raise ConfigError(f"the PS would listen on {bind} with no token: anyone who reaches it could read and "
+                          f"change the model. Set {security.TOKEN_ENV} (or --token-file), or pass --insecure")
     threads = threads or core_number("NETWORK_PS_CORE_NUMBER", connections, 8)
     cores = pin_cores("PS", threads, shard_index)  # PS_DISABLE_PIN_CORES=False
     pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="deeprec-ps-grpc",
                                                  initializer=pin_current_thread, initargs=(cores,))
-    server = grpc.server(pool, options=GRPC_OPTIONS)
+    interceptors = (security.TokenInterceptor(token),) if token else ()
+    server = grpc.server(pool, options=GRPC_OPTIONS, interceptors=interceptors)
     state = ShardState(shard_index, num_shards, max_memory=max_memory, max_dim=max_dim)
     server.add_generic_rpc_handlers((PSServicer(state, cores, threads).handler(),))
-    port = server.add_insecure_port(bind)
+    port = server.add_secure_port(bind, credentials) if credentials is not None else server.add_insecure_port(bind)
     if port == 0:
         raise OSError(f"cannot bind the PS to {bind}")
     server.start()
@@ -421,7 +429,13 @@ def serve(bind: str, shard_index: int, num_shards: int, threads: int | None = No
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="run one parameter-server shard")
-    parser.add_argument("--bind", default="127.0.0.1:0")
+    parser.add_argument("--bind", help="host:port to listen on (default: loopback, on TF_CONFIG's port for this "
+                                       "task, else any free port)")
+    parser.add_argument("--token-file", help=f"the job's token (default: ${security.TOKEN_ENV})")
+    parser.add_argument("--insecure", action="store_true", help="allow a non-loopback --bind without a token")
+    parser.add_argument("--tls-cert", help="PEM certificate chain: serve over TLS")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-ca", help="PEM CA: require client certificates signed by it")
     parser.add_argument("--shard", type=int, help="default: TF_CONFIG's task index, else 0")
     parser.add_argument("--num-shards", type=int, help="default: TF_CONFIG's number of ps tasks, else 1")
     parser.add_argument("--threads", type=int, help="default: NETWORK_PS_CORE_NUMBER, else min(8, workers)")
@@ -431,22 +445,29 @@ def main(argv=None) -> int:
                              "Register and inserting pulls get RESOURCE_EXHAUSTED")
     parser.add_argument("--max-dim", type=int, default=MAX_DIM, help="largest embedding dim a Register may ask for")
     args = parser.parse_args(argv)
-    if args.shard is None or args.num_shards is None:
-        from deeprec.distributed.cluster import task_from_env
+    try:
+        return _run_shard(args)
+    except ConfigError as err:
+        raise SystemExit(f"error: {err}") from None
 
-        try:
-            task = task_from_env("ps")
-        except ConfigError as err:
-            raise SystemExit(f"error: {err}") from None
-        if task is not None:
-            args.shard = task.shard if args.shard is None else args.shard
-            args.num_shards = task.num_shards if args.num_shards is None else args.num_shards
-            args.workers = args.workers or task.num_workers or None
+
+def _run_shard(args) -> int:
+    from deeprec.distributed.cluster import task_from_env
+
+    task = task_from_env("ps")
+    if task is not None:
+        args.shard = task.shard if args.shard is None else args.shard
+        args.num_shards = task.num_shards if args.num_shards is None else args.num_shards
+        args.workers = args.workers or task.num_workers or None
+        args.bind = args.bind or "127.0.0.1:" + task.address.rpartition(":")[2]  # its cluster port
+    args.bind = args.bind or "127.0.0.1:0"
     args.shard = 0 if args.shard is None else args.shard
     args.num_shards = 1 if args.num_shards is None else args.num_shards
     torch.set_num_threads(1)
     server, port = serve(args.bind, args.shard, args.num_shards, args.threads, connections=args.workers or 8,
-                         max_memory=args.max_memory, max_dim=args.max_dim)
+                         max_memory=args.max_memory, max_dim=args.max_dim, token=security.read_token(args.token_file),
+                         credentials=security.server_credentials(args.tls_cert, args.tls_key, args.tls_ca),
+                         insecure=args.insecure)
     host = args.bind.rpartition(":")[0]
     print(f"deeprec PS {args.shard}/{args.num_shards} listening on {host}:{port}", flush=True)
     try:
