@@ -1,3 +1,4 @@
+import contextlib
 import csv
 import subprocess
 import sys
@@ -92,3 +93,15 @@ def ps_pool():
     for p in procs:
         p.kill()
         p.wait(10)
+
+
+@contextlib.contextmanager
+def running_ps(*args, env=None, cwd=None):
+    """A PS process (`python -m deeprec.distributed ARGS`) for the block: yields (process, its first line)."""
+    proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", *args], stdout=subprocess.PIPE, text=True,
+                            env=env, cwd=cwd)
+    try:
+        yield proc, proc.stdout.readline()
+    finally:
+        proc.kill()
+        proc.wait(10)

@@ -16,7 +16,7 @@ from deeprec.distributed.wire import pack
 from deeprec.errors import ConfigError
 from deeprec.nn import EmbeddingVariable
 
-from conftest import start_ps  # noqa: E402  - real PS processes on loopback (fixture ps_pool)
+from conftest import running_ps, start_ps  # noqa: E402  - real PS processes on loopback (fixture ps_pool)
 
 
 def local_reference(steps, dim=4):
@@ -211,13 +211,8 @@ def test_launch_reports_a_failed_worker(tmp_path):
 def test_ps_takes_its_shard_from_tf_config():
     env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": {"ps": ["a:1", "b:2", "c:3"], "worker": ["w:4"]},
                                                  "task": {"type": "ps", "index": 2}}))
-    proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "127.0.0.1:0"],
-                            stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        assert "deeprec PS 2/3 listening on 127.0.0.1:" in proc.stdout.readline()
-    finally:
-        proc.kill()
-        proc.wait(10)
+    with running_ps("--bind", "127.0.0.1:0", env=env) as (_, line):
+        assert "deeprec PS 2/3 listening on 127.0.0.1:" in line
 
 
 def test_worker_dying_mid_run_leaves_the_others_running(tmp_path, unique_tsv):

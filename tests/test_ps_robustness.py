@@ -14,6 +14,8 @@ from deeprec.distributed import PSClient
 from deeprec.distributed.ps_shard import SERVICE
 from deeprec.distributed.wire import pack, unpack
 
+from conftest import running_ps  # noqa: E402
+
 
 def start(*extra):
     proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "127.0.0.1:0", "--threads", "4",
@@ -149,10 +151,8 @@ def test_token_is_required_on_every_call(monkeypatch):
     from deeprec.distributed.client import PSError
 
     env = dict(os.environ, DEEPREC_PS_TOKEN="s3cret-token")
-    proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "127.0.0.1:0"],
-                            stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        address = proc.stdout.readline().split()[-1]
+    with running_ps("--bind", "127.0.0.1:0", env=env) as (_, line):
+        address = line.split()[-1]
         for token in (None, "wrong-token"):
             if token is None:
                 monkeypatch.delenv("DEEPREC_PS_TOKEN", raising=False)
@@ -167,9 +167,6 @@ def test_token_is_required_on_every_call(monkeypatch):
         client.register({"emb": 2}, {})
         assert client.pull({"emb": torch.tensor([3])})["emb"].shape == (1, 2)
         client.close()
-    finally:
-        proc.kill()
-        proc.wait(10)
 
 
 def test_a_ps_on_a_public_address_needs_a_token_or_insecure(monkeypatch):
@@ -179,13 +176,8 @@ def test_a_ps_on_a_public_address_needs_a_token_or_insecure(monkeypatch):
     done = subprocess.run([sys.executable, "-m", "deeprec.distributed", "--bind", "0.0.0.0:0"], env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "no token" in done.stderr and "--insecure" in done.stderr
-    proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "0.0.0.0:0", "--insecure"],
-                            stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        assert "listening on 0.0.0.0:" in proc.stdout.readline()
-    finally:
-        proc.kill()
-        proc.wait(10)
+    with running_ps("--bind", "0.0.0.0:0", "--insecure", env=env) as (_, line):
+        assert "listening on 0.0.0.0:" in line
 
 
 def test_tls_serves_clients_that_trust_its_ca(tmp_path, monkeypatch):
@@ -197,10 +189,8 @@ def test_tls_serves_clients_that_trust_its_ca(tmp_path, monkeypatch):
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
                     "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
                    check=True, capture_output=True)
-    proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "127.0.0.1:0",
-                             "--tls-cert", str(cert), "--tls-key", str(key)], stdout=subprocess.PIPE, text=True)
-    try:
-        address = proc.stdout.readline().split()[-1]
+    with running_ps("--bind", "127.0.0.1:0", "--tls-cert", str(cert), "--tls-key", str(key)) as (_, line):
+        address = line.split()[-1]
         monkeypatch.setenv("DEEPREC_PS_TLS_CA", str(cert))
         client = PSClient([address], deadline_s=10)
         client.register({"emb": 2}, {})
@@ -212,9 +202,6 @@ def test_tls_serves_clients_that_trust_its_ca(tmp_path, monkeypatch):
             plain.wait_ready(timeout_s=3)
             plain.register({"emb": 2}, {})
         plain.close()
-    finally:
-        proc.kill()
-        proc.wait(10)
 
 
 def test_a_ps_takes_its_port_from_tf_config(tmp_path):
@@ -223,13 +210,8 @@ def test_a_ps_takes_its_port_from_tf_config(tmp_path):
     port = free_port()
     tf_config = json.dumps({"cluster": {"ps": [f"127.0.0.1:{port}"], "worker": ["127.0.0.1:1"]},
                             "task": {"type": "ps", "index": 0}})
-    proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed"], stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, TF_CONFIG=tf_config), cwd=tmp_path)
-    try:
-        assert f"listening on 127.0.0.1:{port}" in proc.stdout.readline()
-    finally:
-        proc.kill()
-        proc.wait(10)
+    with running_ps(env=dict(os.environ, TF_CONFIG=tf_config), cwd=tmp_path) as (_, line):
+        assert f"listening on 127.0.0.1:{port}" in line
 
 
 def test_sigterm_to_launch_stops_and_reaps_every_process(tmp_path):
