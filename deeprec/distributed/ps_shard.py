@@ -110,8 +110,9 @@ class ShardState:
         return int(total + sum(d.value.numel() * 4 * (1 + len(d.slots)) for d in self.dense.values()))
 
     def _reserve(self, nbytes: int, what: str) -> None:
-        if self.memory() + nbytes > self.max_memory:
-            raise ResourceExhausted(f"{what} needs {nbytes:,} bytes; the shard holds {self.memory():,} of its "
+        held = self.memory()
+        if held + nbytes > self.max_memory:
+            raise ResourceExhausted(f"{what} needs {nbytes:,} bytes; the shard holds {held:,} of its "
                                     f"{self.max_memory:,}-byte budget (--max-memory)")
 
     def register(self, header: dict, tensors: dict) -> tuple[dict, dict]:
@@ -169,21 +170,28 @@ class ShardState:
         return keys
 
     def pull(self, names: list, tensors: dict, prefix: str = "", train: bool = True) -> dict:
-        """Rows of the keys (training inserts unseen keys; evaluation reads defaults)."""
-        out = {}
+        """Rows of the keys (training inserts unseen keys; evaluation reads defaults).
+        Every name and key set is checked, and the memory budget once, before any insert."""
+        wanted = []
         for name in names:
             if name in self.embeddings:
-                ev, _ = self.embeddings[name]
-                keys = self._keys(name, tensors, prefix)
-                if train:
-                    self._reserve(int(keys.numel() * ev.bytes_per_row()), f"inserting up to {keys.numel()} "
-                                  f"keys into {name!r}")
-                out[f"values/{name}"] = ev.gather(ev.rows_for(keys, train=train))
+                wanted.append((name, self._keys(name, tensors, prefix)))
             elif name in self.dense:
+                wanted.append((name, None))
+            else:
+                raise WireError(f"unknown variable {name!r} (this PS holds: {self._names()})")
+        if train:
+            growth = sum(keys.numel() * self.embeddings[name][0].bytes_per_row() for name, keys in wanted
+                         if keys is not None)
+            self._reserve(int(growth), f"inserting up to {sum(k.numel() for _, k in wanted if k is not None)} keys")
+        out = {}
+        for name, keys in wanted:
+            if keys is None:
                 d = self.dense[name]
                 out[f"values/{name}"] = d.value.reshape(d.shape)
             else:
-                raise WireError(f"unknown variable {name!r} (this PS holds: {self._names()})")
+                ev, _ = self.embeddings[name]
+                out[f"values/{name}"] = ev.gather(ev.rows_for(keys, train=train))
         return out
 
     def push(self, names: list, tensors: dict, prefix: str = "", step: int | None = None, workers: int = 1) -> None:
