@@ -62,7 +62,7 @@ def train_config(args, console: Console) -> tuple:
 
     values = load_toml(args.config, TrainConfig) if args.config else {}
     values = merge(values, given(args, TrainConfig))
-    model, note = values.get("model", "dlrm"), None
+    model, note = values.get("model", TrainConfig.model), None
     if args.synthetic:
         if values.get("data"):
             raise ConfigError("give --data or --synthetic, not both")
@@ -79,7 +79,9 @@ def train_config(args, console: Console) -> tuple:
     task = worker_task_from_env()  # a worker of a parameter-server job (deeprec launch, Kubeflow TFJob)
     if task is not None:
         values.update(ps_addresses=task.ps_addresses, shard_index=task.index, num_shards=task.num_workers,
-                      is_chief=task.is_chief, protocol=task.protocol or values.get("protocol", "star_server"))
+                      is_chief=task.is_chief)
+        if task.protocol:  # deeprec launch's --protocol
+            values["protocol"] = task.protocol
         if task.num_workers > 1:
             values["eval_fraction"] = 0.0
     return build(TrainConfig, values), note
