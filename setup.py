@@ -8,7 +8,8 @@ from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 setup(
-    ext_modules=[CppExtension("deeprec._C", ["deeprec/csrc/feature_ops.cpp", "deeprec/csrc/bags.cpp"],
+    ext_modules=[CppExtension("deeprec._C", ["deeprec/csrc/feature_ops.cpp", "deeprec/csrc/bags.cpp",
+                               "deeprec/csrc/ps_index.cpp"],
                               depends=["deeprec/csrc/hashes.h"],
                               extra_compile_args=["-O3"])],
     cmdclass={"build_ext": BuildExtension},

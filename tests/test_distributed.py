@@ -78,10 +78,16 @@ def test_malformed_requests_get_clear_errors_and_the_ps_lives(ps_pool):
         (register, pack({"variables": [{"name": "e2", "kind": "embedding", "dim": 4, "lr": 0.0}]}, {}),
          "lr must be > 0"),
         (pull, b"\x01\x02", "message shorter than its length prefix"),
-        (pull, pack({"vars": ["nope"]}, {"keys/nope": torch.arange(3)}), "unknown variable 'nope'"),
-        (pull, pack({"vars": ["emb"]}, {"keys/emb": torch.arange(3).float()}), "must be a 1-D int64 tensor"),
-        (push, pack({"vars": ["emb"]}, {"keys/emb": torch.arange(3), "grads/emb": torch.ones(3, 5)}),
-         "grads shape [3, 5] is not [3, 4]"),
+        (pull, pack({"vars": ["emb"]}, {}), "unknown header field 'vars'"),
+        (pull, pack({"embeddings": ["nope"]}, {"keys": torch.arange(3), "counts": torch.tensor([3])}),
+         "unknown variable 'nope'"),
+        (pull, pack({"embeddings": ["emb"]}, {"keys": torch.arange(3).float(), "counts": torch.tensor([3])}),
+         "'keys' must be a 1-D int64 tensor"),
+        (pull, pack({"embeddings": ["emb"]}, {"keys": torch.arange(3), "counts": torch.tensor([2])}),
+         "'counts' must be >= 0 and sum to the 3 keys"),
+        (push, pack({"embeddings": ["emb"]}, {"keys": torch.arange(3), "counts": torch.tensor([3]),
+                                              "grads/4": torch.ones(3, 5)}),
+         "'grads/4' must be float32 [3, 4] for its keys, got float32 [3, 5]"),
     ]
     for call, request, message in cases:
         with pytest.raises(grpc.RpcError) as err:
@@ -270,28 +276,30 @@ def test_launch_resume_onto_more_ps(tmp_path):
 
 
 def test_sync_push_applies_the_average_once_per_step():
-    from deeprec.distributed.ps_shard import ShardState
+    from deeprec.distributed.ps_state import ShardState
 
     def state():
         s = ShardState(0, 1)
         s.register({"variables": [{"name": "e", "kind": "embedding", "dim": 2, "optimizer": "sgd", "lr": 1.0},
                                   {"name": "w", "kind": "dense", "optimizer": "sgd", "lr": 1.0}]},
                    {"init/w": torch.zeros(3)})
-        s.pull(["e"], {"keys/e": torch.tensor([1, 2])})
+        s.pull({"embeddings": ["e"]}, {"keys": torch.tensor([1, 2]), "counts": torch.tensor([2])})
         return s
 
+    def push(s, keys, grads, dense, **header):
+        s.push({"embeddings": ["e"], "dense": ["w"], **header},
+               {"keys": keys, "counts": torch.tensor([keys.numel()]), "grads/2": grads, "dense/w": dense})
+
     sync, ref = state(), state()
-    g1 = {"keys/e": torch.tensor([1, 2]), "grads/e": torch.ones(2, 2), "grads/w": torch.ones(3)}
-    g2 = {"keys/e": torch.tensor([2]), "grads/e": torch.full((1, 2), 3.0), "grads/w": torch.full((3,), 3.0)}
-    sync.push(["e", "w"], g1, step=1, workers=2)
+    push(sync, torch.tensor([1, 2]), torch.ones(2, 2), torch.ones(3), step=1, workers=2)
     assert sync.applied_step == 0  # waits for the second worker
-    sync.push(["e", "w"], g2, step=1, workers=2)
+    push(sync, torch.tensor([2]), torch.full((1, 2), 3.0), torch.full((3,), 3.0), step=1, workers=2)
     assert sync.applied_step == 1
-    ref.push(["e", "w"], {"keys/e": torch.tensor([1, 2]), "grads/e": torch.tensor([[0.5, 0.5], [2.0, 2.0]]),
-                          "grads/w": torch.full((3,), 2.0)})
-    for name in ("e", "w"):
-        assert torch.allclose(sync.pull([name], {"keys/e": torch.tensor([1, 2])})[f"values/{name}"],
-                              ref.pull([name], {"keys/e": torch.tensor([1, 2])})[f"values/{name}"])
+    push(ref, torch.tensor([1, 2]), torch.tensor([[0.5, 0.5], [2.0, 2.0]]), torch.full((3,), 2.0))
+    request = ({"embeddings": ["e"], "dense": ["w"], "train": False},
+               {"keys": torch.tensor([1, 2]), "counts": torch.tensor([2])})
+    for got, want in zip(sync.pull(*request).values(), ref.pull(*request).values()):
+        assert torch.allclose(got, want)
     assert sync.dense["w"].optimizer.step_count == 1
 
 

@@ -31,11 +31,15 @@ TENSOR_SPEC = st.fixed_dictionaries({}, optional={
     "dtype": st.one_of(st.sampled_from(list(DTYPES)), JSON),
     "shape": st.one_of(st.lists(st.integers(-3, 2**40), max_size=4), JSON),
     "off": st.one_of(st.integers(-8, 4096), JSON), "n": st.one_of(st.integers(-8, 4096), JSON)})
-TENSOR_NAMES = st.sampled_from(["keys/emb", "grads/emb", "keys/nope", "init/w", "grads/w", "defaults/emb",
-                                "push.keys/emb", "push.grads/emb", "pull.keys/emb", "emb/emb/keys", "dense/w"])
+TENSOR_NAMES = st.sampled_from(["keys", "counts", "grads/4", "grads/3", "init/w", "dense/w", "defaults/emb",
+                                "push.keys", "push.counts", "push.grads/4", "pull.keys", "pull.counts",
+                                "emb/emb/keys", "dense_slot/w/accumulator"])
+SECTION = st.fixed_dictionaries({}, optional={"embeddings": st.one_of(st.lists(NAMES, max_size=3), JSON),
+                                              "dense": st.one_of(st.lists(NAMES, max_size=2), JSON), "train": JSON})
 HEADER = st.fixed_dictionaries({}, optional={
-    "variables": st.one_of(st.lists(SPEC, max_size=3), JSON), "vars": st.one_of(st.lists(NAMES, max_size=3), JSON),
-    "push": st.one_of(st.lists(NAMES, max_size=2), JSON), "pull": st.one_of(st.lists(NAMES, max_size=2), JSON),
+    "variables": st.one_of(st.lists(SPEC, max_size=3), JSON), "embeddings": st.one_of(st.lists(NAMES, max_size=3), JSON),
+    "dense": st.one_of(st.lists(NAMES, max_size=2), JSON), "push": st.one_of(SECTION, JSON),
+    "pull": st.one_of(SECTION, JSON),
     "train": JSON, "step": st.one_of(st.integers(-3, 10), JSON), "workers": st.one_of(st.integers(-3, 4), JSON),
     "tensors": st.one_of(st.dictionaries(TENSOR_NAMES, TENSOR_SPEC, max_size=3), JSON)})
 

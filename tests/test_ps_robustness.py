@@ -61,10 +61,10 @@ def test_malformed_fields_get_invalid_argument(ps):
         (register, pack({"variables": [{"name": "e", "kind": "embedding", "dim": 4, "lr": "x"}]}), "'lr' must be"),
         (register, pack({"variables": "abc"}), "'variables' must be a list"),
         (register, len(deep).to_bytes(4, "little") + deep, "nested too deeply"),
-        (calls["Pull"], pack({"vars": []}, {})[:4] + json.dumps({"tensors": {"k": {
+        (calls["Pull"], pack({"embeddings": []}, {})[:4] + json.dumps({"tensors": {"k": {
             "dtype": "int64", "shape": [1 << 62, 1 << 62], "off": 0, "n": 8}}}).encode()[4:], ""),
-        (calls["Push"], pack({"vars": [], "workers": "many"}), "'workers' must be an int"),
-        (calls["Pull"], pack({"vars": [], "after_step": "soon"}), "'after_step' must be an int"),
+        (calls["Push"], pack({"embeddings": [], "workers": "many"}), "'workers' must be an int"),
+        (calls["Pull"], pack({"embeddings": [], "after_step": "soon"}), "'after_step' must be an int"),
     ]
     for call, request, message in cases:
         _, err = status(call, request)
@@ -118,7 +118,7 @@ def test_a_bad_load_changes_nothing(ps):
 
 def test_waiting_pulls_are_bounded_and_health_is_always_answered(ps):
     _, address, calls = ps()
-    waiting = pack({"vars": [], "after_step": 10 ** 12})
+    waiting = pack({"embeddings": [], "after_step": 10 ** 12})
     results = []
 
     def wait():

@@ -99,106 +99,98 @@ class PSClient:
             jobs.append(("Register", ps, {"variables": specs}, tensors))
         self._fan_out(jobs)
 
-    def _route(self, keys: dict[str, torch.Tensor]):
-        """Per PS: {name: keys}, plus where each key's row goes back."""
-        per_ps = [dict() for _ in range(self.num_ps)]
-        where = {}
-        for name, k in keys.items():
-            owner = shard_of(k, self.num_ps)
-            where[name] = []
-            for ps in range(self.num_ps):
-                idx = torch.nonzero(owner == ps).squeeze(1)
-                if idx.numel():
-                    per_ps[ps][name] = k[idx]
-                    where[name].append((ps, idx))
-        return per_ps, where
-
-    def _pull_jobs(self, per_ps, dense: list[str], train: bool):
-        """One fused Pull per PS holding any of the keys or dense variables."""
-        jobs = []
+    def _pull_jobs(self, routing: "_Routing | None", dense: list[str], train: bool, method: str = "Pull",
+                   prefix: str = "") -> dict[int, tuple[dict, dict]]:
+        """{ps: (header, tensors)}: the fused rows and dense variables of each PS concerned."""
+        jobs = {}
         for ps in range(self.num_ps):
-            names = list(per_ps[ps]) + [n for n in dense if self.dense_owner(n) == ps]
-            if names:
-                jobs.append(("Pull", ps, {"vars": names, "train": train},
-                             {f"keys/{n}": k for n, k in per_ps[ps].items()}))
+            header, tensors = {"train": train}, {}
+            if routing is not None and routing.reaches(ps):
+                header["embeddings"] = routing.names
+                tensors = routing.tensors(ps, prefix)
+            header["dense"] = [n for n in dense if self.dense_owner(n) == ps]
+            if "embeddings" in header or header["dense"]:
+                jobs[ps] = (header, tensors)
         return jobs
 
-    def _assemble(self, keys, where, replies_by_ps: dict[int, dict], dense: list[str]) -> dict:
-        out = {}
-        for name, k in keys.items():
-            values = torch.empty(k.numel(), self.dims[name])
-            for ps, idx in where[name]:
-                values[idx] = replies_by_ps[ps][f"values/{name}"]
-            out[name] = values
-        for name in dense:
-            out[name] = replies_by_ps[self.dense_owner(name)][f"values/{name}"]
-        return out
+    def _call_all(self, method: str, jobs: dict[int, tuple[dict, dict]]) -> dict[int, dict]:
+        replies = self._fan_out([(method, ps, h, t) for ps, (h, t) in jobs.items()])
+        return {ps: tensors for ps, (_, tensors) in zip(jobs, replies)}
 
     def pull(self, keys: dict[str, torch.Tensor], dense: list[str] = (), train: bool = True) -> dict[str, torch.Tensor]:
         """Rows of each embedding's (unique) keys and the dense variables' values."""
-        per_ps, where = self._route(keys)
-        replies: dict[int, dict] = {}
+        dense = list(dense)
         if self.protocol == "grpc":  # one call per variable per PS
-            jobs = [("Pull", ps, {"vars": [n], "train": train}, {f"keys/{n}": k}) for ps in range(self.num_ps)
-                    for n, k in per_ps[ps].items()]
-            jobs += [("Pull", self.dense_owner(n), {"vars": [n]}, {}) for n in dense]
-            for (_, ps, _, _), (_, tensors) in zip(jobs, self._fan_out(jobs)):
-                replies.setdefault(ps, {}).update(tensors)
-        else:
-            jobs = self._pull_jobs(per_ps, list(dense), train)
-            for (_, ps, _, _), (_, tensors) in zip(jobs, self._fan_out(jobs)):
-                replies[ps] = tensors
-        return self._assemble(keys, where, replies, list(dense))
+            out = {}
+            for name, k in keys.items():
+                routing = _Routing(self, {name: k})
+                out.update(routing.split(routing.assemble(self._call_all("Pull", self._pull_jobs(routing, [], train)))))
+            for name in dense:
+                out.update(self._dense_values(self._call_all("Pull", self._pull_jobs(None, [name], train)), [name]))
+            return out
+        routing = _Routing(self, keys) if keys else None
+        replies = self._call_all("Pull", self._pull_jobs(routing, dense, train))
+        out = routing.split(routing.assemble(replies)) if routing else {}
+        out.update(self._dense_values(replies, dense))
+        return out
 
-    def _push_tensors(self, grads: dict, prefix: str = ""):
-        per_ps = [dict() for _ in range(self.num_ps)]
-        for name, g in grads.items():
-            if isinstance(g, tuple):  # embedding: (unique keys, grads)
-                k, rows = g
-                owner = shard_of(k, self.num_ps)
-                for ps in range(self.num_ps):
-                    idx = torch.nonzero(owner == ps).squeeze(1)
-                    if idx.numel():
-                        per_ps[ps][name] = {f"{prefix}keys/{name}": k[idx], f"{prefix}grads/{name}": rows[idx]}
-            else:
-                per_ps[self.dense_owner(name)][name] = {f"{prefix}grads/{name}": g.float()}
-        return per_ps
+    def pull_rows(self, names: list[str], keys: list[torch.Tensor], train: bool = True) -> torch.Tensor:
+        """Rows of tables of one dim, concatenated in `names` order: [sum of keys, dim]."""
+        routing = _Routing(self, dict(zip(names, keys)))
+        if len(routing.dims) != 1 or routing.names != list(names):
+            raise PSError(f"pull_rows needs tables of one dim, got dims {routing.dims}")
+        return routing.assemble(self._call_all("Pull", self._pull_jobs(routing, [], train)))[routing.dims[0]]
+
+    def _dense_values(self, replies: dict[int, dict], dense: list[str]) -> dict:
+        return {n: replies[self.dense_owner(n)][f"dense/{n}"] for n in dense}
+
+    def _push_jobs(self, grads: dict, prefix: str = "", header: dict | None = None) -> dict[int, tuple[dict, dict]]:
+        rows = {n: g for n, g in grads.items() if isinstance(g, tuple)}  # embedding: (unique keys, grads)
+        routing = _Routing(self, {n: k for n, (k, _) in rows.items()}, {n: g for n, (_, g) in rows.items()}) \
+            if rows else None
+        jobs = {}
+        for ps in range(self.num_ps):
+            tensors = {f"{prefix}dense/{n}": g.float() for n, g in grads.items()
+                       if not isinstance(g, tuple) and self.dense_owner(n) == ps}
+            part = {"dense": [n[len(prefix) + 6:] for n in tensors], **(header or {})}
+            if routing is not None and routing.reaches(ps):
+                part["embeddings"] = routing.names
+                tensors.update(routing.tensors(ps, prefix))
+            if "embeddings" in part or part["dense"] or self.sync_workers > 1:  # sync: every PS counts every step
+                jobs[ps] = (part, tensors)
+        return jobs
 
     def push(self, grads: dict, step: int | None = None) -> None:
         """{name: (keys, grads)} for embeddings, {name: grad} for dense variables.
         Sync training (`sync_workers` > 1) sends one fused push to every PS per step."""
-        per_ps = self._push_tensors(grads)
         if self.sync_workers > 1:
             if self.protocol == "grpc":
                 raise PSError("sync training needs a fused protocol (star_server or star_server_lite)")
-            self._fan_out([("Push", ps, {"vars": list(per_ps[ps]), "step": step, "workers": self.sync_workers},
-                            {k: v for t in per_ps[ps].values() for k, v in t.items()}) for ps in range(self.num_ps)])
+            self._call_all("Push", self._push_jobs(grads, header={"step": step, "workers": self.sync_workers}))
             return
         if self.protocol == "grpc":
-            jobs = [("Push", ps, {"vars": [n]}, t) for ps in range(self.num_ps) for n, t in per_ps[ps].items()]
-        else:
-            jobs = [("Push", ps, {"vars": list(per_ps[ps])}, {k: v for t in per_ps[ps].values() for k, v in t.items()})
-                    for ps in range(self.num_ps) if per_ps[ps]]
-        self._fan_out(jobs)
+            for name, g in grads.items():
+                self._call_all("Push", self._push_jobs({name: g}))
+            return
+        self._call_all("Push", self._push_jobs(grads))
 
     def push_pull(self, grads: dict, keys: dict[str, torch.Tensor], dense: list[str] = ()) -> dict:
         """star_server_lite: this step's push and the next step's pull in one round trip per PS."""
         if self.protocol != "star_server_lite":
             self.push(grads)
             return self.pull(keys, dense)
-        push_per_ps = self._push_tensors(grads, "push.")
-        pull_per_ps, where = self._route(keys)
-        jobs = []
-        for ps in range(self.num_ps):
-            pull_names = list(pull_per_ps[ps]) + [n for n in dense if self.dense_owner(n) == ps]
-            tensors = {k: v for t in push_per_ps[ps].values() for k, v in t.items()}
-            tensors.update({f"pull.keys/{n}": k for n, k in pull_per_ps[ps].items()})
-            if pull_names or push_per_ps[ps]:
-                jobs.append(("PushPull", ps, {"push": list(push_per_ps[ps]), "pull": pull_names}, tensors))
-        replies = {}
-        for (_, ps, _, _), (_, tensors) in zip(jobs, self._fan_out(jobs)):
-            replies[ps] = tensors
-        return self._assemble(keys, where, replies, list(dense))
+        dense = list(dense)
+        pushes = self._push_jobs(grads, "push.")
+        routing = _Routing(self, keys) if keys else None
+        pulls = self._pull_jobs(routing, dense, True, prefix="pull.")
+        jobs = {}
+        for ps in sorted({*pushes, *pulls}):
+            push, pull = pushes.get(ps, ({}, {})), pulls.get(ps, ({}, {}))
+            jobs[ps] = ({"push": push[0], "pull": pull[0]}, {**push[1], **pull[1]})
+        replies = self._call_all("PushPull", jobs)
+        out = routing.split(routing.assemble(replies)) if routing else {}
+        out.update(self._dense_values(replies, dense))
+        return out
 
     def export(self) -> list[dict]:
         return [t for _, t in self._fan_out([("Export", ps, {}, {}) for ps in range(self.num_ps)])]
@@ -235,3 +227,66 @@ class PSClient:
         self._pool.shutdown(wait=True)
         for channel in self.channels:
             channel.close()
+
+
+class _Routing:
+    """Where each row of a request goes: tables ordered by dim (each dim's rows one
+    contiguous span), one fused slice of keys per PS, and back."""
+
+    def __init__(self, client: PSClient, keys: dict[str, torch.Tensor], grads: dict | None = None):
+        self.num_ps = client.num_ps
+        self.names = sorted(keys, key=lambda n: client.dims[n])
+        sizes = [keys[n].numel() for n in self.names]
+        self.sizes = sizes
+        self.flat = torch.cat([keys[n].reshape(-1) for n in self.names])
+        dims = self.table_dims = [client.dims[n] for n in self.names]
+        self.dims = list(dict.fromkeys(dims))
+        ends = torch.tensor(sizes).cumsum(0).tolist()
+        self.spans = {d: (ends[dims.index(d)] - sizes[dims.index(d)], ends[len(dims) - 1 - dims[::-1].index(d)])
+                      for d in self.dims}
+        self.grads = None if grads is None else {
+            d: torch.cat([grads[n].reshape(-1, d) for n, nd in zip(self.names, dims) if nd == d]).float()
+            for d in self.dims}
+        if self.num_ps == 1:
+            self.index, self.counts = [None], [torch.tensor(sizes, dtype=torch.int64)]
+            return
+        owner = shard_of(self.flat, self.num_ps)
+        var = torch.repeat_interleave(torch.arange(len(self.names)), torch.tensor(sizes, dtype=torch.int64))
+        self.index = [torch.nonzero(owner == ps).squeeze(1) for ps in range(self.num_ps)]
+        self.counts = [torch.bincount(var[i], minlength=len(self.names)) for i in self.index]
+
+    def reaches(self, ps: int) -> bool:
+        return self.index[ps] is None or self.index[ps].numel() > 0
+
+    def _within(self, ps: int, dim: int) -> torch.Tensor:
+        """Positions, within `dim`'s span, of the rows PS `ps` holds."""
+        index, (start, end) = self.index[ps], self.spans[dim]
+        lo, hi = torch.searchsorted(index, torch.tensor([start, end])).tolist()
+        return index[lo:hi] - start
+
+    def tensors(self, ps: int, prefix: str) -> dict:
+        index = self.index[ps]
+        out = {f"{prefix}keys": self.flat if index is None else self.flat[index], f"{prefix}counts": self.counts[ps]}
+        for d, g in (self.grads or {}).items():
+            out[f"{prefix}grads/{d}"] = g if index is None else g[self._within(ps, d)]
+        return out
+
+    def assemble(self, replies: dict[int, dict]) -> dict[int, torch.Tensor]:
+        """{dim: rows of every table of that dim, in order}."""
+        if self.num_ps == 1:
+            return {d: replies[0][f"values/{d}"] for d in self.dims}
+        out = {}
+        for d, (start, end) in self.spans.items():
+            out[d] = torch.empty(end - start, d)
+            for ps, tensors in replies.items():
+                if f"values/{d}" in tensors:
+                    out[d][self._within(ps, d)] = tensors[f"values/{d}"]
+        return out
+
+    def split(self, by_dim: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """{table: its rows}: views of the per-dim tensors."""
+        out, offset = {}, {d: 0 for d in self.dims}
+        for name, n, d in zip(self.names, self.sizes, self.table_dims):
+            out[name] = by_dim[d][offset[d]:offset[d] + n]
+            offset[d] += n
+        return out

@@ -47,8 +47,7 @@ class RemoteLookup(nn.Module):
         self.prefetch_hits = self.direct_pulls = 0
 
     def _fetch(self, uniques, train: bool) -> torch.Tensor:
-        values = self.client.pull(dict(zip(self.names, uniques)), train=train)
-        return torch.cat([values[n] for n in self.names])
+        return self.client.pull_rows(self.names, list(uniques), train=train)
 
     def prefetch(self, uniques, train: bool) -> None:
         rows = self._fetch(uniques, train)

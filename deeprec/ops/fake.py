@@ -39,3 +39,14 @@ def _(values, offsets, batch, combiners, fill_ids, has_fill):
     total = ctx.new_dynamic_size()
     return (uniques, values[0].new_empty(total), values[0].new_empty(len(values) * batch + 1),
             values[0].new_empty(total, dtype=torch.float32), [u.new_empty(u.shape[0]) for u in uniques])
+
+
+@torch.library.register_fake("deeprec::ps_index_rows")
+def _(table, row_ns, row_keys, ns, keys, size, insert):
+    fresh = keys.new_empty(torch.library.get_ctx().new_dynamic_size())
+    return keys.new_empty(keys.shape), fresh, keys.new_empty(())
+
+
+@torch.library.register_fake("deeprec::ps_index_build")
+def _(table, row_ns, row_keys, size):
+    return None

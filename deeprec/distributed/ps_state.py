@@ -1,0 +1,377 @@
+"""The variables of one PS shard and the requests on them (run on the shard thread only).
+
+Requests are `deeprec.distributed.wire` messages. Rows travel fused, not per variable:
+
+    Pull   header {"embeddings": [names], "dense": [names], "train": bool}
+           tensors keys int64 [N] (variable by variable), counts int64 [len(embeddings)]
+      ->   values/{dim} float32 [N_dim, dim] (the rows of the variables of that dim, in
+           request order), dense/{name} each dense variable's value
+    Push   header {"embeddings", "dense", "step"?, "workers"?}
+           tensors keys, counts, grads/{dim} [N_dim, dim], dense/{name} gradients
+    PushPull (star_server_lite): header {"push": {...Push}, "pull": {...Pull}},
+           tensors prefixed "push." and "pull."
+
+Every field is validated before anything changes; a bad one raises WireError (the
+servicer answers INVALID_ARGUMENT), a limit ResourceExhausted (RESOURCE_EXHAUSTED).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from deeprec.distributed.ps_store import DenseGroup, EmbeddingArena
+from deeprec.distributed.wire import WireError
+from deeprec.errors import ConfigError
+from deeprec.nn.options import InitializerOption
+from deeprec.nn.variable import shard_of
+from deeprec.optim import sparse
+
+MAX_DIM = 8192  # embedding dim a Register may ask for
+MAX_WAIT_S = 120.0  # longest a sync step's pushes wait for the other workers'
+log = logging.getLogger("deeprec.ps")
+
+
+class ResourceExhausted(WireError):
+    """A request that would take the shard past its limits: RESOURCE_EXHAUSTED, nothing changed."""
+
+
+@dataclass
+class _Part:
+    """The keys of one request that live in one arena."""
+    arena: EmbeddingArena
+    ns: torch.Tensor
+    keys: torch.Tensor
+    dim: int
+    position: torch.Tensor | None  # where its rows go among the request's rows of its dim; None: all of them
+
+
+def make_optimizer(name: str, lr: float) -> sparse.RowSparseOptimizer:
+    if name not in sparse.ROW_SPARSE:
+        raise WireError(f"optimizer {name!r} is not one of {', '.join(sparse.ROW_SPARSE)}")
+    try:
+        return sparse.ROW_SPARSE[name](lr=lr)
+    except (ConfigError, ValueError) as err:  # a bad request, not a PS failure
+        raise WireError(f"optimizer {name!r}: {err}") from None
+
+
+class ShardState:
+    def __init__(self, shard_index: int, num_shards: int, max_memory: int | None = None, max_dim: int = MAX_DIM):
+        self.shard_index, self.num_shards = shard_index, num_shards
+        self.max_memory = _memory_budget() if max_memory is None else max_memory
+        self.max_dim = max_dim
+        self.arenas: dict[tuple, EmbeddingArena] = {}  # (dim, optimizer, lr) -> arena
+        self.groups: dict[tuple, DenseGroup] = {}  # (optimizer, lr) -> dense group
+        self.embeddings: dict[str, tuple[EmbeddingArena, int]] = {}  # name -> (arena, variable id)
+        self.dense: dict[str, DenseGroup] = {}
+        self.generation = 0  # how many checkpoint restores this shard has taken
+        self.applied_step = 0  # last step whose (sync: averaged) update is applied
+        self._sync: dict[int, dict] = {}
+
+    def names(self) -> list[str]:
+        return sorted([*self.embeddings, *self.dense])
+
+    def memory(self) -> int:
+        """Bytes the shard's variables hold (rows allocated, with their slots and index)."""
+        return sum(a.memory() for a in self.arenas.values()) + sum(g.memory() for g in self.groups.values())
+
+    def _reserve(self, nbytes: int, what: str) -> None:
+        held = self.memory()
+        if held + nbytes > self.max_memory:
+            raise ResourceExhausted(f"{what} needs {nbytes:,} bytes; the shard holds {held:,} of its "
+                                    f"{self.max_memory:,}-byte budget (--max-memory)")
+
+    # -- Register --------------------------------------------------------------------------
+    def register(self, header: dict, tensors: dict) -> tuple[dict, dict]:
+        variables = header.get("variables", [])
+        if not isinstance(variables, list) or not all(isinstance(s, dict) for s in variables):
+            raise WireError("header 'variables' must be a list of objects")
+        new = []
+        for spec in variables:  # validate every spec and the memory they need before creating any
+            name, kind = spec.get("name"), spec.get("kind")
+            if not isinstance(name, str) or not name:
+                raise WireError(f"a variable needs a non-empty string name, got {name!r}")
+            lr = _spec_field(spec, "lr", float, 0.01, low=0.0)
+            optimizer = spec.get("optimizer", "adagrad")
+            if not isinstance(optimizer, str):
+                raise WireError(f"variable {name!r}: 'optimizer' must be a string")
+            make_optimizer(optimizer, lr)
+            if kind == "embedding":
+                dim = _spec_field(spec, "dim", int, None, low=1, high=self.max_dim)
+                defaults = tensors.get(f"defaults/{name}")  # the worker's initializer matrix
+                if defaults is not None and (defaults.dim() != 2 or defaults.shape[1] != dim or not len(defaults)
+                                             or not defaults.is_floating_point()):
+                    raise WireError(f"variable {name!r}: defaults must be a float [n >= 1, {dim}] tensor")
+                if name not in self.embeddings:
+                    new.append((name, kind, (dim, optimizer, lr), defaults))
+            elif kind == "dense":
+                init = tensors.get(f"init/{name}")
+                if name not in self.dense:
+                    if init is None or not init.is_floating_point():
+                        raise WireError(f"dense variable {name!r} registered without its float initial value")
+                    new.append((name, kind, (optimizer, lr), init))
+            else:
+                raise WireError(f"variable {name!r}: kind must be 'embedding' or 'dense', got {kind!r}")
+        needed = sum(4 * 1024 * (2 * k[0] + 16) if kind == "embedding" else 3 * 4 * t.numel() for _, kind, k, t in new)
+        self._reserve(needed, f"registering {len(new)} variable(s)")
+        for name, kind, key, tensor in new:
+            if kind == "embedding":
+                if key not in self.arenas:
+                    self.arenas[key] = EmbeddingArena(key[0], make_optimizer(*key[1:]))
+                arena = self.arenas[key]
+                if tensor is None:
+                    tensor = InitializerOption().matrix(key[0])
+                self.embeddings[name] = (arena, arena.add(name, tensor))
+            else:
+                if key not in self.groups:
+                    self.groups[key] = DenseGroup(make_optimizer(*key))
+                self.groups[key].add(name, tensor)
+                self.dense[name] = self.groups[key]
+        return {"variables": self.names()}, {}
+
+    # -- requests ------------------------------------------------------------------------
+    def _rows_request(self, header: dict, tensors: dict, prefix: str) -> list[_Part]:
+        """The request's keys, validated and split by arena."""
+        names = _names(header, "embeddings")
+        if not names:
+            return []
+        keys, counts = tensors.get(prefix + "keys"), tensors.get(prefix + "counts")
+        if keys is None or keys.dtype != torch.int64 or keys.dim() != 1:
+            raise WireError(f"'{prefix}keys' must be a 1-D int64 tensor")
+        if counts is None or counts.dtype != torch.int64 or list(counts.shape) != [len(names)]:
+            raise WireError(f"'{prefix}counts' must be an int64 tensor of {len(names)} (one per embedding)")
+        if bool((counts < 0).any()) or int(counts.sum()) != keys.numel():
+            raise WireError(f"'{prefix}counts' must be >= 0 and sum to the {keys.numel()} keys")
+        unknown = [n for n in names if n not in self.embeddings]
+        if unknown:
+            raise WireError(f"unknown variable {unknown[0]!r} (this PS holds: {', '.join(self.names()) or 'none'})")
+        if keys.numel() and bool((keys < 0).any()):
+            raise WireError("keys must be >= 0")
+        wrong = torch.nonzero(shard_of(keys, self.num_shards) != self.shard_index).squeeze(1)
+        if wrong.numel():
+            var = int(torch.searchsorted(torch.cumsum(counts, 0), wrong[:1], right=True))
+            raise WireError(f"variable {names[var]!r}: key {int(keys[wrong[0]])} belongs to PS "
+                            f"{int(shard_of(keys[wrong[:1]], self.num_shards))}, not PS {self.shard_index}")
+        arenas = [self.embeddings[n][0] for n in names]
+        ns = torch.repeat_interleave(torch.tensor([self.embeddings[n][1] for n in names]), counts)
+        distinct = list(dict.fromkeys(arenas))
+        if len(distinct) == 1:
+            return [_Part(arenas[0], ns, keys, arenas[0].dim, None)]
+        which = torch.repeat_interleave(torch.tensor([distinct.index(a) for a in arenas]), counts)
+        key_dim = torch.repeat_interleave(torch.tensor([a.dim for a in arenas]), counts)
+        parts = []
+        for i, arena in enumerate(distinct):
+            sel = torch.nonzero(which == i).squeeze(1)
+            shared = sum(a.dim == arena.dim for a in distinct) > 1
+            position = (torch.cumsum(key_dim == arena.dim, 0) - 1)[sel] if shared else None
+            parts.append(_Part(arena, ns[sel], keys[sel], arena.dim, position))
+        return parts
+
+    def _dense_names(self, header: dict) -> list[str]:
+        names = _names(header, "dense")
+        unknown = [n for n in names if n not in self.dense]
+        if unknown:
+            raise WireError(f"unknown dense variable {unknown[0]!r} (this PS holds: {', '.join(self.names()) or 'none'})")
+        return names
+
+    def pull(self, header: dict, tensors: dict, prefix: str = "") -> dict:
+        """Rows of the keys (training inserts unseen keys; evaluation reads zeros for them)
+        and dense values. Everything is checked, and the memory budget once, before any insert."""
+        _check_fields(header, ("embeddings", "dense", "train"), "Pull")
+        train = header.get("train", True)
+        if not isinstance(train, bool):
+            raise WireError(f"header 'train' must be true or false, got {train!r}")
+        parts, dense = self._rows_request(header, tensors, prefix), self._dense_names(header)
+        if train and parts:
+            growth = sum(p.keys.numel() * p.arena.bytes_per_row() for p in parts)
+            self._reserve(growth, f"inserting up to {sum(p.keys.numel() for p in parts)} keys")
+        out = {}
+        for dim in dict.fromkeys(p.dim for p in parts):
+            mine = [p for p in parts if p.dim == dim]
+            values = torch.empty(sum(p.keys.numel() for p in mine), dim)
+            for p in mine:
+                rows, _ = p.arena.rows(p.ns, p.keys, insert=train)
+                if p.position is None:
+                    p.arena.gather(rows, out=values)
+                else:
+                    values[p.position] = p.arena.gather(rows)
+            out[f"values/{dim}"] = values
+        out.update({f"dense/{name}": self.dense[name].view(name) for name in dense})
+        return out
+
+    def push(self, header: dict, tensors: dict, prefix: str = "") -> None:
+        """Apply gradients now (async), or, with `workers` > 1, collect step `step`'s
+        pushes and apply their average once every worker's has arrived (sync)."""
+        _check_fields(header, ("embeddings", "dense", "step", "workers"), "Push")
+        step = None if header.get("step") is None else int_field(header, "step", 0, low=0)
+        workers = int_field(header, "workers", 1, low=1, high=1 << 16)
+        parts, names = self._rows_request(header, tensors, prefix), self._dense_names(header)
+        rows_grads = []
+        for dim in dict.fromkeys(p.dim for p in parts):  # validate everything before changing anything
+            n = sum(p.keys.numel() for p in parts if p.dim == dim)
+            grads = tensors.get(f"{prefix}grads/{dim}")
+            if grads is None or grads.dtype != torch.float32 or list(grads.shape) != [n, dim]:
+                got = "missing" if grads is None else f"{str(grads.dtype)[6:]} {list(grads.shape)}"
+                raise WireError(f"'{prefix}grads/{dim}' must be float32 [{n}, {dim}] for its keys, got {got}")
+            for p in parts:
+                if p.dim == dim:
+                    rows_grads.append((p, grads if p.position is None else grads[p.position]))
+        dense = {}
+        for name in names:
+            grad = tensors.get(f"{prefix}dense/{name}")
+            shape = self.dense[name].spans[name][2]
+            if grad is None or grad.dtype != torch.float32 or list(grad.shape) != shape:
+                raise WireError(f"'{prefix}dense/{name}' must be a float32 gradient of shape {shape}")
+            dense[name] = grad
+        updates = [(p.arena, *p.arena.rows(p.ns, p.keys, insert=False), g) for p, g in rows_grads]  # arena, rows, repeated, grads
+        if workers > 1 and step is not None:
+            self._drop_stale_sync()
+            pending = self._sync.setdefault(step, {"count": 0, "rows": [], "dense": {}, "since": time.monotonic()})
+            pending["rows"] += updates
+            for name, grad in dense.items():
+                pending["dense"].setdefault(name, []).append(grad)
+            pending["count"] += 1
+            if pending["count"] < workers:
+                return
+            del self._sync[step]
+            updates, dense = [], {name: sum(gs) / workers for name, gs in pending["dense"].items()}
+            for arena in dict.fromkeys(a for a, _, _, _ in pending["rows"]):
+                mine = [(r, g) for a, r, _, g in pending["rows"] if a is arena]
+                updates.append((arena, torch.cat([r for r, _ in mine]), True, torch.cat([g for _, g in mine]) / workers))
+        self._apply(updates, dense)
+        if step is not None:
+            self.applied_step = max(self.applied_step, step)
+
+    def _apply(self, updates: list, dense: dict) -> None:
+        for arena in dict.fromkeys(a for a, _, _, _ in updates):  # one optimizer step per arena
+            mine = [(r, repeated, g) for a, r, repeated, g in updates if a is arena]
+            if len(mine) == 1:
+                arena.apply(mine[0][0], mine[0][2], bool(mine[0][1]))
+            else:
+                arena.apply(torch.cat([r for r, _, _ in mine]), torch.cat([g for _, _, g in mine]))
+        for group in dict.fromkeys(self.dense[n] for n in dense):
+            group.apply({n: g for n, g in dense.items() if self.dense[n] is group})
+
+    def _drop_stale_sync(self) -> None:
+        """Sync pushes of a step that never completed (a worker died) are dropped after MAX_WAIT_S."""
+        now = time.monotonic()
+        for step in [s for s, p in self._sync.items() if now - p["since"] > MAX_WAIT_S]:
+            pending = self._sync.pop(step)
+            log.warning("PS %d: dropped %d sync push(es) of step %d: the other workers' pushes did not arrive "
+                        "within %.0fs", self.shard_index, pending["count"], step, MAX_WAIT_S)
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def export(self) -> dict:
+        """Every row with its slots, and each optimizer's step count."""
+        out = {}
+        for name, (arena, var) in self.embeddings.items():
+            out.update({f"emb/{name}/{k}": v for k, v in arena.export(var).items()})
+            out[f"opt/{name}"] = torch.tensor(arena.optimizer.step_count)
+        for name, group in self.dense.items():
+            out.update(group.export(name))
+            out[f"opt/{name}"] = torch.tensor(group.optimizer.step_count)
+        return out
+
+    def _check_load(self, tensors: dict) -> None:
+        """Everything a Load needs, checked before anything changes (a Load is atomic)."""
+        for name, (arena, _) in self.embeddings.items():
+            prefix = f"emb/{name}/"
+            if not any(k.startswith(prefix) for k in tensors):
+                continue
+            need = ["keys", "values", "freq", "version", "global_step"] + [f"slot.{s}" for s in arena.slots]
+            missing = [k for k in need if prefix + k not in tensors] + \
+                      ([f"opt/{name}"] if f"opt/{name}" not in tensors else [])
+            if missing:
+                raise WireError(f"Load of {name!r} lacks {', '.join(missing)}: nothing was changed")
+            keys = tensors[prefix + "keys"]
+            n = keys.shape[0] if keys.dim() == 1 else -1
+            if keys.dtype != torch.int64 or n < 0:
+                raise WireError(f"Load of {name!r}: keys must be a 1-D int64 tensor")
+            shapes = {"values": [n, arena.dim], "freq": [n], "version": [n]}
+            shapes.update({f"slot.{s}": [n, *slot.shape[1:]] for s, slot in arena.slots.items()})
+            for key, shape in shapes.items():
+                if list(tensors[prefix + key].shape) != shape:
+                    raise WireError(f"Load of {name!r}: {key} has shape {list(tensors[prefix + key].shape)}, "
+                                    f"expected {shape}: nothing was changed")
+            if torch.unique(keys).numel() != n:
+                raise WireError(f"Load of {name!r}: a key is given twice: nothing was changed")
+        for name, group in self.dense.items():
+            if f"dense/{name}" not in tensors:
+                continue
+            need = [f"dense/{name}", f"opt/{name}"] + [f"dense_slot/{name}/{k}" for k in group.optimizer.slot_specs()]
+            missing = [k for k in need if k not in tensors]
+            if missing:
+                raise WireError(f"Load of {name!r} lacks {', '.join(missing)}: nothing was changed")
+            if tensors[f"dense/{name}"].numel() != group.spans[name][1] or any(
+                    tensors[f"dense_slot/{name}/{k}"].numel() != group.slot_numel(name, k)
+                    for k in group.optimizer.slot_specs()):
+                raise WireError(f"Load of {name!r}: shapes differ from the registered variable: nothing was changed")
+
+    def load(self, tensors: dict) -> None:
+        """Restore from a (merged) export: each shard keeps its own keys, whatever the
+        number of PSs that wrote it. Validated whole first: a bad Load changes nothing."""
+        self._check_load(tensors)
+        for arena in self.arenas.values():
+            states = {var: {k: tensors[f"emb/{name}/{k}"] for k in ("keys", "values", "freq", "version")}
+                      | {f"slot.{s}": tensors[f"emb/{name}/slot.{s}"] for s in arena.slots}
+                      for var, name in enumerate(arena.names) if f"emb/{name}/keys" in tensors}
+            if states:
+                arena.load(states, self.shard_index, self.num_shards)
+                arena.optimizer.step_count = max(int(tensors[f"opt/{arena.names[v]}"]) for v in states)
+        for name, group in self.dense.items():
+            if f"dense/{name}" in tensors:
+                group.load(name, tensors)
+                group.optimizer.step_count = int(tensors[f"opt/{name}"])
+        self._sync.clear()  # rows were renumbered: pending sync pushes no longer apply
+        self.generation += 1
+
+
+def _memory_budget() -> int:
+    """Default memory budget: 80% of this machine's RAM."""
+    try:
+        return int(0.8 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40
+
+
+def _spec_field(spec: dict, key: str, kind, default=None, low=None, high=None):
+    """A Register spec's field, type- and range-checked (WireError naming it)."""
+    value = spec.get(key, default)
+    name = spec.get("name", "?")
+    try:
+        if kind is int and (isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value)):
+            raise ValueError
+        value = kind(value)
+    except (TypeError, ValueError, OverflowError):
+        raise WireError(f"variable {name!r}: {key!r} must be {kind.__name__}, got {value!r}") from None
+    if kind is float and value != value:  # NaN
+        raise WireError(f"variable {name!r}: {key!r} must be a number, got NaN")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise WireError(f"variable {name!r}: {key!r} must be in [{low}, {high}], got {value!r}")
+    return value
+
+
+def int_field(header: dict, key: str, default: int, low: int | None = None, high: int | None = None) -> int:
+    value = header.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low) \
+            or (high is not None and value > high):
+        raise WireError(f"header {key!r} must be an int in [{low}, {high}], got {value!r}")
+    return value
+
+
+def _check_fields(header: dict, allowed: tuple, method: str) -> None:
+    unknown = sorted(set(header) - set(allowed) - {"tensors", "after_step"})  # those two: the transport's
+    if unknown:
+        raise WireError(f"{method}: unknown header field {unknown[0]!r} (allowed: {', '.join(allowed)})")
+
+
+def _names(header: dict, key: str) -> list:
+    names = header.get(key, [])
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise WireError(f"header '{key}' must be a list of variable names")
+    if len(set(names)) != len(names):
+        raise WireError(f"header '{key}' names a variable twice")
+    return names

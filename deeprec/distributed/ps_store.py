@@ -1,0 +1,228 @@
+"""Fused storage of a PS shard: a pull or push is a few tensor ops, whatever the number of variables.
+
+    EmbeddingArena   every embedding variable of one (dim, optimizer) on the shard
+        (variable, key) ──deeprec::ps_index_rows (C++, no GIL)──> row
+        row ──> weight [R, dim] | optimizer slots | freq | version       (one arena of rows)
+    DenseGroup       every dense variable of one optimizer: one flat buffer, one optimizer step
+
+Rows are never moved except by `load` (which rebuilds the arena), so a row number
+stays valid between a pull and the push of the same step.
+"""
+from __future__ import annotations
+
+import torch
+
+import deeprec._C  # noqa: F401  (registers torch.ops.deeprec.ps_index_*)
+from deeprec.nn.variable import shard_of
+from deeprec.optim import sparse
+from deeprec.optim.sparse import merge_rows
+
+_INDEX_BYTES = 32  # 2 table slots per row (kept <= half full) x 16 bytes
+
+
+class EmbeddingArena:
+    """The embedding variables of one dim and optimizer: rows of all of them in one arena."""
+
+    def __init__(self, dim: int, optimizer: sparse.RowSparseOptimizer, capacity: int = 1024):
+        self.dim, self.optimizer = dim, optimizer
+        self.names: list[str] = []  # variable id (the key's namespace) -> name
+        self._defaults: list[torch.Tensor] = []  # per variable: a new key k starts as defaults[k % n]
+        self._default_matrix = torch.zeros(0, dim)
+        self._default_offset = self._default_count = torch.zeros(0, dtype=torch.int64)
+        self._allocate(capacity)
+
+    def _allocate(self, capacity: int) -> None:
+        self.size = 0
+        self.table = torch.full((_table_size(capacity),), -1, dtype=torch.int64)
+        self.row_ns = torch.empty(capacity, dtype=torch.int64)
+        self.row_keys = torch.empty(capacity, dtype=torch.int64)
+        self.weight = torch.empty(capacity, self.dim)
+        self.freq = torch.empty(capacity, dtype=torch.int64)
+        self.version = torch.empty(capacity, dtype=torch.int64)
+        # rows past `size` are uninitialized: an insert sets a row and its slots
+        self.slots = {name: torch.empty((capacity, self.dim) if per_element else (capacity,))
+                      for name, (_, per_element) in self.optimizer.slot_specs().items()}
+
+    @property
+    def capacity(self) -> int:
+        return self.row_keys.numel()
+
+    def add(self, name: str, defaults: torch.Tensor) -> int:
+        """A new variable; `defaults` [n, dim] is its initializer matrix. Returns its id."""
+        self.names.append(name)
+        self._defaults.append(defaults.float().clone())
+        counts = torch.tensor([d.shape[0] for d in self._defaults])
+        self._default_matrix = torch.cat(self._defaults)
+        self._default_offset, self._default_count = torch.cumsum(counts, 0) - counts, counts
+        return len(self.names) - 1
+
+    def bytes_per_row(self) -> int:
+        per_element = sum(self.dim if e else 1 for _, e in self.optimizer.slot_specs().values())
+        return 4 * self.dim + 4 * per_element + 8 * 4 + _INDEX_BYTES
+
+    def memory(self) -> int:
+        return self.capacity * self.bytes_per_row() + self._default_matrix.numel() * 4
+
+    def _reserve(self, n: int) -> None:
+        """Room for n more rows (arrays doubled, the index rehashed, when needed)."""
+        needed = self.size + n
+        if needed > self.capacity:
+            capacity = max(needed, 2 * self.capacity)
+            live = slice(0, self.size)
+            self.row_ns, self.row_keys = _grown(self.row_ns, capacity, live), _grown(self.row_keys, capacity, live)
+            self.weight = _grown(self.weight, capacity, live)
+            self.freq, self.version = _grown(self.freq, capacity, live), _grown(self.version, capacity, live)
+            self.slots = {name: _grown(slot, capacity, live) for name, slot in self.slots.items()}
+        if 4 * needed > self.table.numel():
+            self.table = torch.empty(_table_size(needed), dtype=torch.int64)
+            torch.ops.deeprec.ps_index_build(self.table, self.row_ns, self.row_keys, self.size)
+
+    def rows(self, ns: torch.Tensor, keys: torch.Tensor, insert: bool) -> tuple[torch.Tensor, int]:
+        """(row of each (variable id, key), how many repeat an earlier pair). A pair not held
+        reads -1, unless `insert` creates it (from its variable's initializer, one row per pair)."""
+        if insert:
+            self._reserve(keys.numel())
+        rows, fresh, repeated = torch.ops.deeprec.ps_index_rows(self.table, self.row_ns, self.row_keys, ns, keys,
+                                                      self.size, insert)
+        if fresh.numel():
+            new = slice(self.size, self.size + fresh.numel())
+            var, key = ns[fresh], keys[fresh]
+            picks = self._default_offset[var] + torch.remainder(key, self._default_count[var])
+            torch.index_select(self._default_matrix, 0, picks, out=self.weight[new])
+            self.freq[new] = 0
+            self.version[new] = self.optimizer.step_count
+            for name, (value, _) in self.optimizer.slot_specs().items():
+                self.slots[name][new] = value
+            self.size += fresh.numel()
+        if insert:
+            self.freq.index_put_((rows,), torch.ones_like(rows), accumulate=True)
+        return rows, int(repeated)
+
+    def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """weight[rows]; a row -1 (a key never trained) reads zeros."""
+        out = torch.index_select(self.weight, 0, rows.clamp_min(0), out=out)
+        missing = rows < 0
+        if bool(missing.any()):
+            out[missing] = 0.0
+        return out
+
+    def apply(self, rows: torch.Tensor, grad: torch.Tensor, repeated: bool = True) -> None:
+        """One optimizer step over every variable's rows (-1 rows dropped, duplicates summed)."""
+        known = rows >= 0
+        if not bool(known.all()):
+            rows, grad = rows[known], grad[known]
+        if repeated:  # a row given twice (sync pushes, repeated keys): gradients summed
+            rows, grad = merge_rows(rows, grad)
+        self.optimizer.begin_step()
+        self.optimizer.update(self.weight, self.slots, rows, grad)
+        self.version[rows] = self.optimizer.step_count
+
+    def export(self, var: int) -> dict:
+        """One variable's rows with their slots (as EmbeddingVariable.export writes them)."""
+        rows = torch.nonzero(self.row_ns[: self.size] == var).squeeze(1)
+        state = {"keys": self.row_keys[rows], "values": self.weight[rows], "freq": self.freq[rows],
+                 "version": self.version[rows], "global_step": torch.tensor(self.optimizer.step_count)}
+        state.update({f"slot.{name}": slot[rows] for name, slot in self.slots.items()})
+        return state
+
+    def load(self, states: dict[int, dict], shard_index: int, num_shards: int) -> None:
+        """Replace the rows of the variables in `states` (keeping this shard's keys); the
+        other variables keep theirs. The arena is rebuilt, so rows are renumbered."""
+        kept = [self.export(var) for var in range(len(self.names))]
+        parts = []
+        for var, state in enumerate(kept):
+            state = states.get(var, state)
+            mine = shard_of(state["keys"], num_shards) == shard_index
+            parts.append((var, {k: v[mine] for k, v in state.items() if k != "global_step" and v.dim() > 0}))
+        total = sum(int(p["keys"].numel()) for _, p in parts)
+        self._allocate(max(1024, 2 * total))
+        for var, part in parts:
+            n = part["keys"].numel()
+            new = slice(self.size, self.size + n)
+            self.row_ns[new] = var
+            self.row_keys[new] = part["keys"]
+            self.weight[new] = part["values"]
+            self.freq[new], self.version[new] = part["freq"], part["version"]
+            for name, slot in self.slots.items():
+                slot[new] = part[f"slot.{name}"]
+            self.size += n
+        torch.ops.deeprec.ps_index_build(self.table, self.row_ns, self.row_keys, self.size)
+
+
+class DenseGroup:
+    """The dense variables of one optimizer: one flat buffer and its slots.
+
+    A push of every variable is one optimizer update over the buffer; a push of some
+    of them updates those slices (one optimizer step either way)."""
+
+    def __init__(self, optimizer: sparse.RowSparseOptimizer):
+        self.optimizer = optimizer
+        self.spans: dict[str, tuple[int, int, list[int]]] = {}  # name -> (offset, numel, shape)
+        self.value = torch.zeros(0)
+        self.slots = {n: torch.zeros(0) for n, (_, per_element) in optimizer.slot_specs().items() if per_element}
+        # a per-row slot (AdamAsync's row step) has one value per variable
+        self.row_slots = {n: torch.zeros(0) for n, (_, per_element) in optimizer.slot_specs().items()
+                          if not per_element}
+
+    def add(self, name: str, init: torch.Tensor) -> None:
+        specs = self.optimizer.slot_specs()
+        self.spans[name] = (self.value.numel(), init.numel(), list(init.shape))
+        self.value = torch.cat([self.value, init.float().reshape(-1)])
+        for n in self.slots:
+            self.slots[n] = torch.cat([self.slots[n], torch.full((init.numel(),), specs[n][0])])
+        for n in self.row_slots:
+            self.row_slots[n] = torch.cat([self.row_slots[n], torch.full((1,), specs[n][0])])
+
+    def memory(self) -> int:
+        return 4 * self.value.numel() * (1 + len(self.slots))
+
+    def view(self, name: str, tensor: torch.Tensor | None = None) -> torch.Tensor:
+        offset, numel, shape = self.spans[name]
+        return (self.value if tensor is None else tensor)[offset:offset + numel].view(shape)
+
+    def apply(self, grads: dict[str, torch.Tensor]) -> None:
+        """One optimizer step: the flat buffer at once when every variable is pushed."""
+        self.optimizer.begin_step()
+        zero = torch.zeros(1, dtype=torch.int64)
+        if len(grads) == len(self.spans) and not self.row_slots:
+            flat = torch.cat([grads[name].reshape(-1) for name in self.spans]).unsqueeze(0)
+            self.optimizer.update(self.value.unsqueeze(0), {n: s.unsqueeze(0) for n, s in self.slots.items()},
+                                  zero, flat)
+            return
+        names = list(self.spans)
+        for name, grad in grads.items():
+            offset, numel, _ = self.spans[name]
+            part = slice(offset, offset + numel)
+            slots = {n: s[part].unsqueeze(0) for n, s in self.slots.items()}
+            index = names.index(name)
+            slots.update({n: s[index:index + 1] for n, s in self.row_slots.items()})
+            self.optimizer.update(self.value[part].unsqueeze(0), slots, zero, grad.reshape(1, -1))
+
+    def export(self, name: str) -> dict:
+        index = list(self.spans).index(name)
+        out = {f"dense/{name}": self.view(name).clone()}
+        out.update({f"dense_slot/{name}/{n}": self.view(name, s).clone() for n, s in self.slots.items()})
+        out.update({f"dense_slot/{name}/{n}": s[index:index + 1].clone() for n, s in self.row_slots.items()})
+        return out
+
+    def slot_numel(self, name: str, slot: str) -> int:
+        return 1 if slot in self.row_slots else self.spans[name][1]
+
+    def load(self, name: str, tensors: dict) -> None:
+        index = list(self.spans).index(name)
+        self.view(name).copy_(tensors[f"dense/{name}"].reshape(self.spans[name][2]))
+        for n, s in self.slots.items():
+            self.view(name, s).copy_(tensors[f"dense_slot/{name}/{n}"].reshape(self.spans[name][2]))
+        for n, s in self.row_slots.items():
+            s[index:index + 1] = tensors[f"dense_slot/{name}/{n}"].reshape(1)
+
+
+def _table_size(rows: int) -> int:
+    """Entries of an index for `rows` rows: 2 per slot, slots a power of two >= 2 x rows."""
+    return 2 << max(4, (2 * max(rows, 1) - 1).bit_length())
+
+
+def _grown(t: torch.Tensor, capacity: int, live: slice) -> torch.Tensor:
+    out = torch.empty((capacity, *t.shape[1:]), dtype=t.dtype)
+    out[live] = t[live]
+    return out
