@@ -79,7 +79,7 @@ def train_config(args, console: Console) -> tuple:
     task = worker_task_from_env()  # a worker of a parameter-server job (deeprec launch, Kubeflow TFJob)
     if task is not None:
         values.update(ps_addresses=task.ps_addresses, shard_index=task.index, num_shards=task.num_workers,
-                      is_chief=task.is_chief)
+                      is_chief=task.is_chief, master=task.master)
         if task.protocol:  # deeprec launch's --protocol
             values["protocol"] = task.protocol
         if task.num_workers > 1:

@@ -22,7 +22,7 @@ from sklearn.metrics import log_loss, roc_auc_score
 from torch.profiler import record_function
 
 from deeprec.config import Config, SmartStageOptions
-from deeprec.distributed.client import PROTOCOLS
+from deeprec.distributed.client import DENSE_MODES, PROTOCOLS
 from deeprec.models.features import EMBEDDINGS
 from deeprec.optim import OPTIMIZERS
 from deeprec.options import build, option
@@ -79,10 +79,13 @@ class TrainConfig:
     protocol: str = option("star_server", "parameter-server protocol of a PS worker (TF_CONFIG set)",
                            choices=PROTOCOLS)
     sync: bool = option(False, "PS workers: average every worker's gradients per step")
+    dense: str = option("ps", "PS workers: dense parameters on the PSs, or replicated on the workers and averaged "
+                        "by all-reduce (only embedding rows go to the PSs)", choices=DENSE_MODES)
     ps_addresses: list[str] = option(factory=list, cli=False, file=False)  # from TF_CONFIG: a PS worker
     shard_index: int = option(0, cli=False, file=False)  # this worker's share of the training data
     num_shards: int = option(1, cli=False, file=False)
     is_chief: bool = option(True, cli=False, file=False)  # evaluates at the end
+    master: str | None = option(None, cli=False, file=False)  # worker 0's TF_CONFIG address: all-reduce rendezvous
     # deeprec.optimize's options; SmartStage's executor is "auto" here (measure, then pick off, thread or process)
     optimize: Config = option(factory=lambda: Config(smart_stage_options=SmartStageOptions(executor="auto")))
 
@@ -198,7 +201,8 @@ class Trainer:
         self.schema = resolve_schema(cfg.data, cfg.schema)  # the model is built over the data's columns
         self.model = build_model(cfg.model, schema=self.schema, **self.model_overrides)
         self.updater = make_updater(self.model, cfg.optimizer, cfg.lr, cfg.ps_addresses, cfg.protocol,
-                                    sync_workers=cfg.num_shards if cfg.sync else 1, worker_index=cfg.shard_index)
+                                    sync_workers=cfg.num_shards if cfg.sync else 1, worker_index=cfg.shard_index,
+                                    num_workers=cfg.num_shards, dense=cfg.dense, master=cfg.master)
         self.fast = optimize(self.model, cfg.optimize)
         batch_norm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in self.model.modules())
         self.train_reader, self.eval_reader = make_readers(cfg, self.schema, drop_remainder=batch_norm)

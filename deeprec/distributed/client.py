@@ -23,6 +23,7 @@ from deeprec.errors import DeepRecError, check_choice
 from deeprec.nn.variable import shard_of
 
 PROTOCOLS = ("grpc", "star_server", "star_server_lite")
+DENSE_MODES = ("ps", "allreduce")  # a worker's dense parameters: on the PSs, or replicated and all-reduced
 
 
 class PSError(DeepRecError):

@@ -95,6 +95,7 @@ class WorkerTask:
     index: int
     num_workers: int
     protocol: str | None  # DEEPREC_PROTOCOL, set by `deeprec launch`
+    master: str | None = None  # worker 0's address: the all-reduce rendezvous under a TFJob
 
     @property
     def is_chief(self) -> bool:
@@ -116,7 +117,7 @@ def task_from_env(job: str) -> WorkerTask | PSTask | None:
     job="worker" (PS addresses mapped through `.endpoint_map`), a PSTask for job="ps".
     The one place TF_CONFIG becomes what a task needs."""
     if not os.environ.get("TF_CONFIG"):
-        return None
+        return _pytorch_job_worker() if job == "worker" else None
     task = parse_tf_config()
     cluster = task.cluster
     if job == "ps":
@@ -127,8 +128,29 @@ def task_from_env(job: str) -> WorkerTask | PSTask | None:
     if task.job_name not in ("worker", "chief"):
         raise ConfigError(f"`deeprec train` runs worker tasks; TF_CONFIG says {task.job_name!r} "
                           "(start PS tasks with `python -m deeprec.distributed`)")
-    return WorkerTask(ps_addresses(cluster), task.task_index, cluster.num_tasks("worker"),
-                      os.environ.get("DEEPREC_PROTOCOL"))
+    workers = cluster.job_tasks("worker")
+    return WorkerTask(ps_addresses(cluster), task.task_index, len(workers), os.environ.get("DEEPREC_PROTOCOL"),
+                      master=workers[0] if workers else None)
+
+
+def _pytorch_job_worker() -> WorkerTask | None:
+    """A worker of a Kubeflow PyTorchJob (no TF_CONFIG): the PSs from DEEPREC_PS_ADDRESSES
+    ("host:port,host:port"), its place from RANK and WORLD_SIZE."""
+    addresses = os.environ.get("DEEPREC_PS_ADDRESSES")
+    if not addresses:
+        return None
+    try:
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise ConfigError(f"RANK and WORLD_SIZE must be integers, got {os.environ.get('RANK')!r}, "
+                          f"{os.environ.get('WORLD_SIZE')!r}") from None
+    if not 0 <= rank < world:
+        raise ConfigError(f"RANK={rank} is not in [0, WORLD_SIZE={world})")
+    ps = [a.strip() for a in addresses.split(",") if a.strip()]
+    for address in ps:
+        if not address.rpartition(":")[2].isdigit():
+            raise ConfigError(f"DEEPREC_PS_ADDRESSES: {address!r} is not 'host:port'")
+    return WorkerTask(ps, rank, world, os.environ.get("DEEPREC_PROTOCOL"))
 
 
 def worker_task_from_env() -> WorkerTask | None:

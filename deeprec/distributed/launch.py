@@ -3,7 +3,8 @@
     deeprec launch --ps 2 --workers 2 --protocol star_server -- train --model dlrm --synthetic 100000 --steps 200
 
 Starts the PS shards (each prints its port), then the workers with TF_CONFIG set
-as a Kubernetes operator would; streams every worker's output prefixed with its
+as a Kubernetes TFJob would, and torch.distributed's MASTER_ADDR, MASTER_PORT, RANK and
+WORLD_SIZE as a PyTorchJob would (for `train --dense allreduce`); streams every worker's output prefixed with its
 name; exits with the first failing worker's code (the others go on), and stops
 the PSs at the end. The job gets its own PS token (DEEPREC_PS_TOKEN, through the
 environment); SIGTERM or SIGINT to the launcher reaches every process it started,
@@ -15,6 +16,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +24,12 @@ import threading
 from deeprec.distributed.client import PROTOCOLS
 from deeprec.distributed.security import TOKEN_ENV
 from deeprec.errors import ConfigError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _stream(prefix: str, pipe, sink) -> None:
@@ -92,10 +100,12 @@ def _run(num_ps: int, num_workers: int, protocol: str, train_args: list[str], ou
         out.write(f"[ps{i}] {line}")
     workers = ["127.0.0.1:0"] * num_workers  # workers serve nothing: placeholder addresses
     cluster = {"ps": ps_addresses, "worker": workers}
+    master_port = _free_port()  # torch.distributed's rendezvous (train --dense allreduce)
     procs = []
     for i in range(num_workers):
         worker_env = dict(env, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}),
-                          DEEPREC_PROTOCOL=protocol)
+                          DEEPREC_PROTOCOL=protocol, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port),
+                          RANK=str(i), WORLD_SIZE=str(num_workers))
         proc = subprocess.Popen([sys.executable, "-m", "deeprec.cli", *train_args], env=worker_env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         children.append(proc)

@@ -3,9 +3,10 @@
     PSUpdater(model, client) swaps each EmbeddingCollection's lookup for a RemoteLookup
     (as TorchRec's sharders swap modules) and registers every variable on the PSs:
 
-    step:  before_step: pull dense parameters ──> forward (each RemoteLookup pulls its
-           rows: one fused call per PS) ──> backward (embedding gradients are kept,
-           not applied) ──> apply: one push of all gradients; the PSs update
+    step:  before_step: pull dense parameters (dense="ps") ──> forward (each RemoteLookup
+           pulls its rows: one fused call per PS) ──> backward (embedding gradients are
+           kept, not applied) ──> apply: dense="allreduce": all-reduce the dense gradients,
+           step the local optimizer; one push of the (embedding) gradients; the PSs update
 
 Embeddings must be EmbeddingVariables (`embedding="variable"`): their keys are
 partitioned over the PSs by `key % 1000 % num_ps`. The optimizer runs on the PSs.
@@ -18,10 +19,12 @@ import threading
 import torch
 from torch import nn
 
-from deeprec.distributed.client import PSClient
-from deeprec.errors import ConfigError
+from deeprec.distributed.allreduce import DenseAllReduce, rendezvous_from_env
+from deeprec.distributed.client import DENSE_MODES, PSClient
+from deeprec.errors import ConfigError, check_choice
 from deeprec.nn.collection import EmbeddingCollection, FusedLookup
 from deeprec.nn.lookup import RowGather, assemble
+from deeprec.optim.dense import OptimizerGroup, torch_optimizers
 from deeprec.optim.sparse import merge_rows
 
 
@@ -92,14 +95,21 @@ class RemoteLookup(nn.Module):
 
 
 class PSUpdater:
-    """The Updater (deeprec.runtime.updater) of a PS worker: parameters and their
+    """The Updater (deeprec.runtime.updater) of a PS worker: embedding rows and their
     optimizer live on the PSs; this worker pulls, computes gradients and pushes them.
 
-    The chief (worker 0) snapshots and restores the PSs; the other workers keep only
-    their reader position, in `worker-<index>` under the checkpoint folder."""
+    Dense parameters: `dense="ps"` keeps them on the PSs too (pulled and pushed whole
+    each step); `dense="allreduce"` replicates them on the workers, averages their
+    gradients by all-reduce (deeprec.distributed.allreduce) and steps a local torch
+    optimizer: only embedding rows travel to the PSs.
+
+    The chief (worker 0) snapshots and restores the PSs; the other workers keep their
+    reader position (and, with all-reduce, their dense replica) in `worker-<index>`
+    under the checkpoint folder."""
 
     def __init__(self, model: nn.Module, client: PSClient, optimizer: str, lr: float, *, sync_workers: int = 1,
-                 worker_index: int = 0):
+                 worker_index: int = 0, num_workers: int = 1, dense: str = "ps", master: str | None = None):
+        check_choice("dense", dense, DENSE_MODES)
         self.model, self.client, self.step = model, client, 0
         self.worker_index, self.is_chief = worker_index, worker_index == 0
         client.sync_workers = sync_workers
@@ -117,17 +127,27 @@ class PSUpdater:
                 module.lookup = RemoteLookup(client, names, local)  # the local tables are dropped
                 self.remotes.append(module.lookup)
         self.dense = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        self._deferred = None
+        self.dense_mode, self._deferred, self.allreduce, self.optimizer = dense, None, None, None
+        if dense == "allreduce":
+            self.optimizer = OptimizerGroup(torch_optimizers(model, optimizer, lr))
+            if num_workers > 1:
+                self.allreduce = DenseAllReduce(list(self.dense.values()),
+                                                rendezvous_from_env(worker_index, num_workers, master))
+                self.allreduce.broadcast_parameters()
         client.wait_ready()
-        client.register(embeddings, {n: p.detach() for n, p in self.dense.items()}, optimizer, lr, defaults)
+        client.register(embeddings, {} if dense == "allreduce" else {n: p.detach() for n, p in self.dense.items()},
+                        optimizer, lr, defaults)
 
     # -- the step ------------------------------------------------------------------------
     def before_step(self) -> None:
         if self.client.sync_workers > 1:  # sync training: this step's pulls wait for the last update
             self.client.after_step = self.step
-        self.pull_dense()
+        if self.dense_mode == "ps":
+            self.pull_dense()
 
     def pull_dense(self) -> None:
+        if self.dense_mode != "ps":
+            return
         if self._deferred is not None:  # star_server_lite: last step's push rides with this pull
             grads, _ = self._deferred
             self._deferred = None
@@ -143,34 +163,58 @@ class PSUpdater:
         grads = {}
         for remote in self.remotes:
             grads.update(remote.take_gradients())
-        for name, p in self.dense.items():
-            if p.grad is not None:
-                grads[name] = p.grad.to_dense() if p.grad.is_sparse else p.grad
-                p.grad = None
-        if self.client.protocol == "star_server_lite" and self.client.sync_workers <= 1:
-            self._deferred = (grads, self.step)  # sent with the next step's pull (or by finish)
+        if self.dense_mode == "allreduce":
+            if self.allreduce is not None:
+                self.allreduce.average_gradients()
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+        else:
+            for name, p in self.dense.items():
+                if p.grad is not None:
+                    grads[name] = p.grad.to_dense() if p.grad.is_sparse else p.grad
+                    p.grad = None
+        lite = self.client.protocol == "star_server_lite" and self.client.sync_workers <= 1
+        if lite and self.dense_mode == "ps":
+            self._deferred = (grads, self.step)  # sent with the next step's dense pull (or by finish)
         else:
             self.client.push(grads, self.step)
 
-    def finish(self) -> None:
-        """Send a push still held back by star_server_lite (end of training, checkpoints)."""
+    def _flush(self) -> None:
+        """Send a push still held back by star_server_lite (checkpoints, evaluation, the end)."""
         if self._deferred is not None:
             grads, step = self._deferred
             self._deferred = None
             self.client.push(grads, step)
 
+    def finish(self) -> None:
+        """This worker's training is over: flush, and, with all-reduce, join the other
+        workers' all-reduces until they have ended too."""
+        self._flush()
+        if self.allreduce is not None:
+            self.allreduce.close()
+            self.allreduce = None
+
     def prepare_eval(self) -> None:
-        self.finish()
+        self._flush()
         self.pull_dense()
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict:
-        if not self.is_chief:
-            return {}
-        self.finish()
-        return {"ps": self.client.snapshot()}  # every PS's rows with their slots
+        self._flush()
+        state = {}
+        if self.dense_mode == "allreduce":  # every worker keeps its (identical) replica
+            state = {"dense": {n: p.detach().clone() for n, p in self.dense.items()},
+                     "dense_optimizer": self.optimizer.state_dict()}
+        if self.is_chief:
+            state["ps"] = self.client.snapshot()  # every PS's rows with their slots
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        if "dense" in state:
+            with torch.no_grad():
+                for name, p in self.dense.items():
+                    p.copy_(state["dense"][name])
+            self.optimizer.load_state_dict(state["dense_optimizer"])
         if self.is_chief:
             self.client.restore(state["ps"])  # onto however many PSs run now
         else:

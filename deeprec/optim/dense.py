@@ -72,15 +72,24 @@ def make_optimizer(model: nn.Module, name: str = "adagrad", lr: float = 0.05) ->
     also applies embedding rows kept over micro-batches."""
     check_choice("optimizer", name, OPTIMIZERS)
     lookups = attach_row_sparse(model, name, lr)
+    return OptimizerGroup(torch_optimizers(model, name, lr), lookups)
+
+
+def torch_optimizers(model: nn.Module, name: str, lr: float) -> list[torch.optim.Optimizer]:
+    """torch.optim's `name` over the model's trainable parameters (Adam: SparseAdam for
+    sparse-gradient embeddings)."""
+    check_choice("optimizer", name, OPTIMIZERS)
     params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        return []
     if name == "adagrad":
-        return OptimizerGroup([torch.optim.Adagrad(params, lr=lr, initial_accumulator_value=0.1)], lookups)
+        return [torch.optim.Adagrad(params, lr=lr, initial_accumulator_value=0.1)]
     if name == "sgd":
-        return OptimizerGroup([torch.optim.SGD(params, lr=lr)], lookups)
+        return [torch.optim.SGD(params, lr=lr)]
     sparse_ids = sparse_parameters(model)
     sparse = [p for p in params if id(p) in sparse_ids]
     dense = [p for p in params if id(p) not in sparse_ids]
     group = [torch.optim.Adam(dense, lr=lr)] if dense else []
     if sparse:
         group.append(torch.optim.SparseAdam(sparse, lr=lr))
-    return OptimizerGroup(group, lookups)
+    return group

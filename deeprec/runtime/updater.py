@@ -5,9 +5,11 @@
                   forward + backward         (micro-batches accumulate; embedding rows may update
                                               fused inside backward, or be kept until apply)
                   updater.apply()            local: optimizer.step() (dense + kept embedding rows)
-                                             PS: one push of every gradient
-    end:          updater.finish()           PS: send a push still held back (star_server_lite)
-    evaluation:   updater.prepare_eval()     PS: pull the dense parameters
+                                             PS: one push of every gradient (dense="allreduce":
+                                             dense gradients all-reduced, local optimizer step)
+    end:          updater.finish()           PS: send a push still held back (star_server_lite),
+                                             leave the all-reduce once every worker has ended
+    evaluation:   updater.prepare_eval()     PS: pull the dense parameters (dense="ps")
     checkpoints:  updater.state_dict() / load_state_dict()   local: model + optimizer; PS: snapshot
 
 `LocalUpdater` is the single-process implementation; the parameter-server one is
@@ -72,7 +74,8 @@ class LocalUpdater:
 
 
 def make_updater(model: nn.Module, optimizer: str, lr: float, ps_addresses=(), protocol: str = "star_server",
-                 sync_workers: int = 1, worker_index: int = 0) -> Updater:
+                 sync_workers: int = 1, worker_index: int = 0, num_workers: int = 1, dense: str = "ps",
+                 master: str | None = None) -> Updater:
     """Local training, or a parameter-server worker when `ps_addresses` are given (the
     model's embedding lookups are then swapped for remote ones: call before `optimize`)."""
     if not ps_addresses:
@@ -83,7 +86,7 @@ def make_updater(model: nn.Module, optimizer: str, lr: float, ps_addresses=(), p
     from deeprec.distributed.worker import PSUpdater
 
     return PSUpdater(model, PSClient(list(ps_addresses), protocol), optimizer, lr, sync_workers=sync_workers,
-                     worker_index=worker_index)
+                     worker_index=worker_index, num_workers=num_workers, dense=dense, master=master)
 
 
 __all__ = ["Updater", "LocalUpdater", "make_updater"]

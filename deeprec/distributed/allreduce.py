@@ -1,0 +1,119 @@
+"""Hybrid training's dense half: dense parameters replicated on the workers, averaged by all-reduce.
+
+    worker r: backward ──> dense grads ──one flat buffer──> all_reduce(sum) ──/ active workers──> local optimizer
+              embedding grads ──> the PSs (deeprec.distributed.worker)
+
+This is the HybridBackend / SOK+Horovod layout: only embedding rows travel to the PSs.
+torch.distributed runs it: gloo for CPU parameters, NCCL for CUDA ones. The rendezvous
+comes from MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE (set by `deeprec launch` and by
+Kubeflow's PyTorchJob), or, under a TFJob, from TF_CONFIG: worker 0's address.
+
+Each all-reduce also sums a "still training" flag: a worker whose data has ended keeps
+joining with no gradients (`drain`) until every worker has ended, so none waits forever
+and the others average over the workers that still train.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from deeprec.errors import ConfigError
+
+RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    master_addr: str
+    master_port: int
+    rank: int
+    world_size: int
+
+
+def rendezvous_from_env(rank: int, world_size: int, master: str | None = None) -> Rendezvous:
+    """torch.distributed's rendezvous for worker `rank` of `world_size`: from MASTER_ADDR,
+    MASTER_PORT, RANK, WORLD_SIZE when set (checked against the PS job's view), else
+    `master` ("host:port" of worker 0, from TF_CONFIG)."""
+    given = [k for k in RENDEZVOUS_ENV if os.environ.get(k)]
+    if given:
+        missing = [k for k in RENDEZVOUS_ENV if k not in given]
+        if missing:
+            raise ConfigError(f"--dense allreduce: {', '.join(given)} set but not {', '.join(missing)}")
+        values = {}
+        for key in ("MASTER_PORT", "RANK", "WORLD_SIZE"):
+            try:
+                values[key] = int(os.environ[key])
+            except ValueError:
+                raise ConfigError(f"{key} must be an integer, got {os.environ[key]!r}") from None
+        if (values["RANK"], values["WORLD_SIZE"]) != (rank, world_size):
+            raise ConfigError(f"RANK={values['RANK']}, WORLD_SIZE={values['WORLD_SIZE']} disagree with the PS job: "
+                              f"this is worker {rank} of {world_size}")
+        return Rendezvous(os.environ["MASTER_ADDR"], values["MASTER_PORT"], rank, world_size)
+    if master is None:
+        raise ConfigError("--dense allreduce with several workers needs a rendezvous: set MASTER_ADDR, MASTER_PORT, "
+                          "RANK, WORLD_SIZE (deeprec launch and PyTorchJob do), or run under TF_CONFIG")
+    host, _, port = master.rpartition(":")
+    return Rendezvous(host, int(port), rank, world_size)
+
+
+class DenseAllReduce:
+    """Averages `params`' gradients over the workers each step, in one flat buffer."""
+
+    def __init__(self, params: list[torch.Tensor], rendezvous: Rendezvous, timeout_s: float = 300.0):
+        self.params = params
+        device = params[0].device if params else torch.device("cpu")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if dist.is_initialized():
+            raise ConfigError("torch.distributed is already initialized in this process: one PS worker per process")
+        dist.init_process_group(backend, init_method=f"tcp://{rendezvous.master_addr}:{rendezvous.master_port}",
+                                rank=rendezvous.rank, world_size=rendezvous.world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        self.world_size = rendezvous.world_size
+        self._flat = torch.zeros(sum(p.numel() for p in params) + 1, device=device)  # + the "training" flag
+        self.active = True
+
+    def broadcast_parameters(self) -> None:
+        """Worker 0's parameter values to every worker (the replicas start equal)."""
+        flat = self._flat[:-1]
+        torch.cat([p.detach().reshape(-1) for p in self.params], out=flat)
+        dist.broadcast(flat, src=0)
+        self._unflatten(flat, [p.data for p in self.params])
+
+    def average_gradients(self) -> None:
+        """Each parameter's .grad becomes the mean over the workers that still train."""
+        flat = self._flat
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad.to_dense() for p in self.params]
+        torch.cat([g.reshape(-1) for g in grads], out=flat[:-1])
+        flat[-1] = 1.0
+        dist.all_reduce(flat)
+        flat[:-1] /= flat[-1]
+        for p, g in zip(self.params, grads):
+            p.grad = g
+        self._unflatten(flat[:-1], grads)
+
+    def drain(self) -> None:
+        """This worker has no more data: join the others' all-reduces until all have ended."""
+        if not self.active:
+            return
+        self.active = False
+        while True:
+            self._flat.zero_()
+            dist.all_reduce(self._flat)
+            if float(self._flat[-1]) == 0.0:
+                return
+
+    def close(self) -> None:
+        self.drain()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    @staticmethod
+    def _unflatten(flat: torch.Tensor, into: list[torch.Tensor]) -> None:
+        offset = 0
+        for t in into:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
