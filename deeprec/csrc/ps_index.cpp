@@ -16,6 +16,7 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <vector>
 
 namespace deeprec {
@@ -43,9 +44,8 @@ void check_index(const at::Tensor& table, const at::Tensor& row_ns, const at::Te
   TORCH_CHECK(row_ns.numel() == row_keys.numel(), "ps_index: row_ns and row_keys differ in length");
 }
 
-// Probe for (ns, key): the slot holding it, or the empty slot where it would go.
-inline int64_t probe(const int64_t* table, int64_t mask, int64_t ns, int64_t key) {
-  int64_t slot = static_cast<int64_t>(slot_hash(ns, key)) & mask;
+// Probe for (ns, key) from its home slot: the slot holding it, or the empty slot where it would go.
+inline int64_t probe_from(const int64_t* table, int64_t mask, int64_t slot, int64_t ns, int64_t key) {
   while (true) {
     const int64_t tag = table[2 * slot + 1];
     if (tag < 0 || (table[2 * slot] == key && ((tag & ~kSeen) >> kRowBits) == ns)) return slot;
@@ -82,8 +82,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ps_index_rows(at::Tensor& table, 
   std::vector<int64_t> fresh, met;
   met.reserve(n);
   int64_t repeated = 0;
+  // a probe is one cache miss into a table far larger than the cache: hash kAhead keys
+  // ahead and prefetch their home slots, so the misses overlap instead of queueing
+  constexpr int64_t kAhead = 16;
+  int64_t home[kAhead];
+  for (int64_t i = 0; i < std::min(n, kAhead); ++i) {
+    home[i] = static_cast<int64_t>(slot_hash(nsp[i], kp[i])) & mask;
+    __builtin_prefetch(tp + 2 * home[i]);
+  }
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t slot = probe(tp, mask, nsp[i], kp[i]);
+    const int64_t start = home[i % kAhead];
+    if (i + kAhead < n) {
+      home[i % kAhead] = static_cast<int64_t>(slot_hash(nsp[i + kAhead], kp[i + kAhead])) & mask;
+      __builtin_prefetch(tp + 2 * home[i % kAhead]);
+    }
+    const int64_t slot = probe_from(tp, mask, start, nsp[i], kp[i]);
     int64_t& tag = tp[2 * slot + 1];
     int64_t row = -1;
     if (tag >= 0) {
@@ -119,7 +132,8 @@ void ps_index_build(at::Tensor& table, const at::Tensor& row_ns, const at::Tenso
   const int64_t* rks = row_keys.data_ptr<int64_t>();
   const int64_t mask = table.numel() / 2 - 1;
   for (int64_t row = 0; row < size; ++row) {
-    const int64_t slot = probe(tp, mask, rns[row], rks[row]);
+    const int64_t slot = probe_from(tp, mask, static_cast<int64_t>(slot_hash(rns[row], rks[row])) & mask, rns[row],
+                                    rks[row]);
     TORCH_CHECK(tp[2 * slot + 1] < 0, "ps_index_build: (", rns[row], ", ", rks[row], ") is held by two rows");
     tp[2 * slot] = rks[row];
     tp[2 * slot + 1] = (rns[row] << kRowBits) | row;

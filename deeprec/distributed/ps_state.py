@@ -150,7 +150,8 @@ class ShardState:
             raise WireError(f"unknown variable {unknown[0]!r} (this PS holds: {', '.join(self.names()) or 'none'})")
         if keys.numel() and bool((keys < 0).any()):
             raise WireError("keys must be >= 0")
-        wrong = torch.nonzero(shard_of(keys, self.num_shards) != self.shard_index).squeeze(1)
+        wrong = (torch.nonzero(shard_of(keys, self.num_shards) != self.shard_index).squeeze(1)
+                 if self.num_shards > 1 else keys[:0])  # one PS owns every key
         if wrong.numel():
             var = int(torch.searchsorted(torch.cumsum(counts, 0), wrong[:1], right=True))
             raise WireError(f"variable {names[var]!r}: key {int(keys[wrong[0]])} belongs to PS "
