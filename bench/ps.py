@@ -45,8 +45,8 @@ def ps_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def worker(address: str, protocol: str, dense_mode: str, batch: int, steps: int, rank: int, workers: int, port: int,
-           ids: str, out) -> None:
+def worker(address: str, ps_pid: int, protocol: str, dense_mode: str, batch: int, steps: int, rank: int,
+           workers: int, port: int, ids: str, out) -> None:
     torch.set_num_threads(1)
     from deeprec.distributed import PSClient
 
@@ -75,7 +75,7 @@ def worker(address: str, protocol: str, dense_mode: str, batch: int, steps: int,
     dense = list(DENSE_SHAPES) if on_ps else []
     current = keys()
     client.pull(current, dense)
-    start = time.perf_counter()
+    ps_cpu_start, start = ps_cpu_seconds(ps_pid), time.perf_counter()  # the timed steps only
     for _ in range(steps):
         grads = {n: (k, torch.ones(k.numel(), 16) * 1e-3) for n, k in current.items()}
         if on_ps:
@@ -89,8 +89,9 @@ def worker(address: str, protocol: str, dense_mode: str, batch: int, steps: int,
             client.push(grads)
             client.pull(nxt, dense)
         current = nxt
-    elapsed = time.perf_counter() - start
-    out.put({"steps_per_s": steps / elapsed, "bytes_per_step": (client.bytes_sent + client.bytes_received) / (steps + 1)})
+    elapsed, ps_cpu_end = time.perf_counter() - start, ps_cpu_seconds(ps_pid)
+    out.put({"steps_per_s": steps / elapsed, "bytes_per_step": (client.bytes_sent + client.bytes_received) / (steps + 1),
+             "ps_cpu": (ps_cpu_start, ps_cpu_end)})
     client.close()
     if not on_ps and workers > 1:
         dist.destroy_process_group()
@@ -109,21 +110,21 @@ def run_case(protocol: str, dense_mode: str, workers: int, batch: int, steps: in
     try:
         ctx = multiprocessing.get_context("spawn")
         out = ctx.Queue()
-        cpu0 = ps_cpu_seconds(ps.pid)
         port = free_port()
-        procs = [ctx.Process(target=worker, args=(address, protocol, dense_mode, batch, steps, w, workers, port, ids, out))
-                 for w in range(workers)]
+        procs = [ctx.Process(target=worker, args=(address, ps.pid, protocol, dense_mode, batch, steps, w, workers, port,
+                                                  ids, out)) for w in range(workers)]
         for p in procs:
             p.start()
         results = [out.get(timeout=600) for _ in procs]
         for p in procs:
             p.join(60)
-        cpu = ps_cpu_seconds(ps.pid) - cpu0
+        # from the first worker's first timed step to the last one's end (registration and warm-up excluded)
+        cpu = max(r["ps_cpu"][1] for r in results) - min(r["ps_cpu"][0] for r in results)
     finally:
         ps.kill()
         ps.wait(10)
     rates = sorted(r["steps_per_s"] for r in results)
-    ms = 1e3 * cpu / (workers * (steps + 1))
+    ms = 1e3 * cpu / (workers * steps)
     return {"steps_per_s_per_worker": rates[len(rates) // 2], "steps_per_s_total": sum(rates),
             "bytes_per_step": results[0]["bytes_per_step"], "ps_cpu_ms_per_step": ms,
             "ps_capacity_steps_per_s": 1e3 / ms}
@@ -183,7 +184,7 @@ CASES = [("grpc", "ps", 1, 512, U), ("star_server", "ps", 1, 512, U), ("star_ser
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--training-steps", type=int, default=80)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--only-training", action="store_true")

@@ -13,6 +13,7 @@ import sys
 from importlib import resources
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from deeprec.errors import ConfigError, DeepRecError
@@ -251,10 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args, console)
     except (ConfigError, FileNotFoundError) as err:  # usage and configuration: exit code 2, as argparse's
-        console.print(f"[red]error:[/red] {err}", highlight=False)
+        console.print(f"[red]error:[/red] {escape(str(err))}", highlight=False)  # the text may hold [brackets]
         return 2
     except DeepRecError as err:  # data that cannot be read, a parameter server that fails: exit code 1
-        console.print(f"[red]error:[/red] {err}", highlight=False)
+        console.print(f"[red]error:[/red] {escape(str(err))}", highlight=False)  # the text may hold [brackets]
         return 1
 
 

@@ -79,8 +79,8 @@ class TrainConfig:
     protocol: str = option("star_server", "parameter-server protocol of a PS worker (TF_CONFIG set)",
                            choices=PROTOCOLS)
     sync: bool = option(False, "PS workers: average every worker's gradients per step")
-    dense: str = option("ps", "PS workers: dense parameters on the PSs, or replicated on the workers and averaged "
-                        "by all-reduce (only embedding rows go to the PSs)", choices=DENSE_MODES)
+    dense: str = option("allreduce", "PS workers: dense parameters replicated on the workers and averaged by "
+                        "all-reduce (only embedding rows go to the PSs), or kept on the PSs", choices=DENSE_MODES)
     ps_addresses: list[str] = option(factory=list, cli=False, file=False)  # from TF_CONFIG: a PS worker
     shard_index: int = option(0, cli=False, file=False)  # this worker's share of the training data
     num_shards: int = option(1, cli=False, file=False)

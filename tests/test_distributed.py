@@ -163,8 +163,8 @@ def test_server_binds_loopback_and_serves(tmp_path, monkeypatch):
         Server({"ps": ["a:1"]}, "ps", 0, protocol="tcp", start=False)
 
 
-@pytest.mark.parametrize("num_ps", [1, 2])
-def test_ps_training_equals_single_process_training(ps_pool, unique_tsv, num_ps):
+@pytest.mark.parametrize("num_ps,dense", [(1, "ps"), (2, "ps"), (2, "allreduce")])
+def test_ps_training_equals_single_process_training(ps_pool, unique_tsv, num_ps, dense):
     from deeprec.trainer import TrainConfig, Trainer
 
     small = {"hash_buckets": 1000, "bottom_mlp": (32, 16), "top_mlp": (32,)}
@@ -173,7 +173,7 @@ def test_ps_training_equals_single_process_training(ps_pool, unique_tsv, num_ps)
     local = Trainer(TrainConfig(embedding="variable", **common))
     local.train()
     addresses, _ = ps_pool(num_ps)
-    remote = Trainer(TrainConfig(ps_addresses=addresses, protocol="star_server", **common))
+    remote = Trainer(TrainConfig(ps_addresses=addresses, protocol="star_server", dense=dense, **common))
     remote.train()
     remote.updater.pull_dense()
     for name, p in local.model.named_parameters():
@@ -228,7 +228,7 @@ def test_worker_dying_mid_run_leaves_the_others_running(tmp_path, unique_tsv):
     data = tmp_path / "half_bad.tsv"
     data.write_text("\n".join(lines) + "\n")
     done = run_launch(["--ps", "1", "--workers", "2", "--", "train", "--data", str(data), "--steps", "40",
-                       "--batch-size", "64"], tmp_path)
+                       "--batch-size", "64", "--dense", "ps"], tmp_path)
     out = done.stdout
     assert done.returncode != 0 and "worker1 failed" in out and "1/2 workers succeeded" in out
     flat = "".join(out.replace("[worker1]", "").split())  # the worker's console wraps long lines
@@ -311,7 +311,7 @@ def test_sync_workers_step_together(ps_pool, unique_tsv):
     addresses, _ = ps_pool(2)
     small = {"hash_buckets": 1000, "bottom_mlp": (32, 16), "top_mlp": (32,)}
     trainers = [Trainer(TrainConfig(model="dlrm", data=[unique_tsv], steps=6, batch_size=64, optimizer="adagrad",
-                                    ps_addresses=addresses, sync=True, num_shards=2, shard_index=i,
+                                    ps_addresses=addresses, sync=True, num_shards=2, shard_index=i, dense="ps",
                                     is_chief=i == 0, model_overrides=small, progress=False)) for i in range(2)]
     errors = []
     threads = [threading.Thread(target=lambda t=t: errors.append(None) if t.train() else None) for t in trainers]
@@ -335,7 +335,8 @@ def test_lite_protocol_in_training_saves_round_trips_with_the_same_result(ps_poo
     for protocol in ("star_server", "star_server_lite"):
         addresses, _ = ps_pool(2)
         t = Trainer(TrainConfig(model="dlrm", data=[unique_tsv], steps=10, batch_size=64, optimizer="adagrad",
-                                ps_addresses=addresses, protocol=protocol, model_overrides=small, progress=False))
+                                ps_addresses=addresses, protocol=protocol, model_overrides=small, progress=False,
+                                dense="ps"))
         t.train()
         runs[protocol] = (t.updater.client.calls, t.updater.client.snapshot())
     (calls_star, star), (calls_lite, lite) = runs["star_server"], runs["star_server_lite"]

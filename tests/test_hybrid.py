@@ -148,3 +148,18 @@ def test_launch_trains_hybrid_with_uneven_worker_data(tmp_path):
     assert "2/2 workers succeeded" in done.stdout
     steps = sorted(int(line.split("│")[2]) for line in done.stdout.splitlines() if "│ steps " in line)
     assert len(steps) == 2 and steps[0] < steps[1], steps  # the shards really were uneven
+
+
+def test_a_dead_worker_fails_the_others_all_reduce_with_a_clear_error(tmp_path, unique_tsv):
+    from test_distributed import run_launch
+
+    lines = open(unique_tsv).read().splitlines()[:4000]
+    lines[3500] = "garbage"  # in worker 1's half: it dies mid-run
+    data = tmp_path / "half_bad.tsv"
+    data.write_text("\n".join(lines) + "\n")
+    done = run_launch(["--ps", "1", "--workers", "2", "--", "train", "--data", str(data), "--steps", "40",
+                       "--batch-size", "64", "--dense", "allreduce"], tmp_path)
+    assert done.returncode != 0 and "0/2 workers succeeded" in done.stdout
+    worker0 = " ".join(line[len("[worker0] "):] for line in done.stdout.splitlines() if line.startswith("[worker0]"))
+    assert "error:" in worker0 and "the all-reduce of the dense gradients failed: another worker is gone" in \
+        " ".join(worker0.split()), worker0[-2000:]

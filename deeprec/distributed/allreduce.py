@@ -8,6 +8,8 @@ torch.distributed runs it: gloo for CPU parameters, NCCL for CUDA ones. The rend
 comes from MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE (set by `deeprec launch` and by
 Kubeflow's PyTorchJob), or, under a TFJob, from TF_CONFIG: worker 0's address.
 
+A worker that dies fails the others' next all-reduce (AllReduceError, as in any collective
+job: restart it with --resume); with --dense ps the other workers go on without it.
 Each all-reduce also sums a "still training" flag: a worker whose data has ended keeps
 joining with no gradients (`drain`) until every worker has ended, so none waits forever
 and the others average over the workers that still train.
@@ -21,9 +23,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from deeprec.errors import ConfigError
+from deeprec.errors import ConfigError, DeepRecError
 
 RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+
+
+class AllReduceError(DeepRecError):
+    """The dense all-reduce failed: another worker is gone (a collective needs every worker)."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,7 @@ class DenseAllReduce:
         grads = [torch.zeros_like(p) if p.grad is None else p.grad.to_dense() for p in self.params]
         torch.cat([g.reshape(-1) for g in grads], out=flat[:-1])
         flat[-1] = 1.0
-        dist.all_reduce(flat)
+        self._all_reduce(flat)
         flat[:-1] /= flat[-1]
         for p, g in zip(self.params, grads):
             p.grad = g
@@ -102,7 +108,7 @@ class DenseAllReduce:
         self.active = False
         while True:
             self._flat.zero_()
-            dist.all_reduce(self._flat)
+            self._all_reduce(self._flat)
             if float(self._flat[-1]) == 0.0:
                 return
 
@@ -110,6 +116,14 @@ class DenseAllReduce:
         self.drain()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def _all_reduce(self, flat: torch.Tensor) -> None:
+        try:
+            dist.all_reduce(flat)
+        except (RuntimeError, dist.DistBackendError) as err:
+            raise AllReduceError(f"the all-reduce of the dense gradients failed: another worker is gone ({err}). "
+                                 "With --dense allreduce every worker must run (restart the job with --resume); "
+                                 "--dense ps lets the other workers go on") from None
 
     @staticmethod
     def _unflatten(flat: torch.Tensor, into: list[torch.Tensor]) -> None:

@@ -74,7 +74,7 @@ class LocalUpdater:
 
 
 def make_updater(model: nn.Module, optimizer: str, lr: float, ps_addresses=(), protocol: str = "star_server",
-                 sync_workers: int = 1, worker_index: int = 0, num_workers: int = 1, dense: str = "ps",
+                 sync_workers: int = 1, worker_index: int = 0, num_workers: int = 1, dense: str = "allreduce",
                  master: str | None = None) -> Updater:
     """Local training, or a parameter-server worker when `ps_addresses` are given (the
     model's embedding lookups are then swapped for remote ones: call before `optimize`)."""
