@@ -136,8 +136,9 @@ def run_training(mode: str, steps: int, data: str) -> float:
 
     common = dict(model="dlrm", data=[data], steps=steps, batch_size=512, optimizer="adagrad", lr=0.01,
                   progress=False)
-    if mode == "local":
-        cfg = TrainConfig.create(**common, embedding="variable", optimize=dict(smart_stage=True, main_threads=1))
+    if mode.startswith("local"):
+        embedding = "variable" if mode == "local" else None  # None: the default fused hashed tables
+        cfg = TrainConfig.create(**common, embedding=embedding, optimize=dict(smart_stage=True, main_threads=1))
         return Trainer(cfg).train()["samples_per_s"]
     ps = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "127.0.0.1:0", "--workers", "1"],
                           stdout=subprocess.PIPE, text=True)
@@ -151,7 +152,8 @@ def run_training(mode: str, steps: int, data: str) -> float:
         ps.wait(10)
 
 
-TRAINING_MODES = {"local": "local (EmbeddingVariables)", "ps": "1 PS + 1 worker, dense on the PS",
+TRAINING_MODES = {"local": "local (EmbeddingVariables)", "local_tables": "local (hashed tables, the default)",
+                  "ps": "1 PS + 1 worker, dense on the PS",
                   "allreduce": "1 PS + 1 worker, dense by all-reduce"}
 
 
