@@ -131,7 +131,8 @@ def run_case(protocol: str, dense_mode: str, workers: int, batch: int, steps: in
 
 
 def run_training(mode: str, steps: int, data: str) -> float:
-    """DLRM samples/s: mode "local", or 1 PS + this worker with dense "ps" / "allreduce"."""
+    """DLRM samples/s: mode "local", "local_tables", or 1 PS + this worker with dense "ps" /
+    "allreduce" (star_server), "allreduce_lite" (star_server_lite)."""
     from deeprec.trainer import TrainConfig, Trainer
 
     common = dict(model="dlrm", data=[data], steps=steps, batch_size=512, optimizer="adagrad", lr=0.01,
@@ -144,7 +145,9 @@ def run_training(mode: str, steps: int, data: str) -> float:
                           stdout=subprocess.PIPE, text=True)
     address = ps.stdout.readline().split()[-1]
     try:
-        cfg = TrainConfig.create(**common, ps_addresses=[address], dense=mode,
+        dense, _, lite = mode.partition("_")
+        cfg = TrainConfig.create(**common, ps_addresses=[address], dense=dense,
+                                 protocol="star_server_lite" if lite else "star_server",
                                  optimize=dict(smart_stage=True, main_threads=1, async_embedding=True))
         return Trainer(cfg).train()["samples_per_s"]
     finally:
@@ -154,7 +157,8 @@ def run_training(mode: str, steps: int, data: str) -> float:
 
 TRAINING_MODES = {"local": "local (EmbeddingVariables)", "local_tables": "local (hashed tables, the default)",
                   "ps": "1 PS + 1 worker, dense on the PS",
-                  "allreduce": "1 PS + 1 worker, dense by all-reduce"}
+                  "allreduce": "1 PS + 1 worker, dense by all-reduce",
+                  "allreduce_lite": "1 PS + 1 worker, dense by all-reduce, star_server_lite"}
 
 
 def training_section(steps: int, rounds: int) -> dict:

@@ -327,7 +327,10 @@ def test_sync_workers_step_together(ps_pool, unique_tsv):
     assert int(a["opt/top.0.weight"]) == 6  # one averaged update per step, not one per worker push
 
 
-def test_lite_protocol_in_training_saves_round_trips_with_the_same_result(ps_pool, unique_tsv):
+@pytest.mark.parametrize("dense", ["ps", "allreduce"])
+def test_lite_protocol_in_training_saves_round_trips_with_the_same_result(ps_pool, unique_tsv, dense):
+    """The push of step t rides with step t+1's first pull (the dense pull, or with all-reduce
+    the embedding pull in the lookup): fewer calls, the same updates in the same order."""
     from deeprec.trainer import TrainConfig, Trainer
 
     small = {"hash_buckets": 1000, "bottom_mlp": (32, 16), "top_mlp": (32,)}
@@ -336,14 +339,20 @@ def test_lite_protocol_in_training_saves_round_trips_with_the_same_result(ps_poo
         addresses, _ = ps_pool(2)
         t = Trainer(TrainConfig(model="dlrm", data=[unique_tsv], steps=10, batch_size=64, optimizer="adagrad",
                                 ps_addresses=addresses, protocol=protocol, model_overrides=small, progress=False,
-                                dense="ps"))
+                                dense=dense))
         t.train()
-        runs[protocol] = (t.updater.client.calls, t.updater.client.snapshot())
-    (calls_star, star), (calls_lite, lite) = runs["star_server"], runs["star_server_lite"]
+        params = {n: p.detach().clone() for n, p in t.updater.dense.items()}
+        runs[protocol] = (t.updater.client.calls, t.updater.client.snapshot(), params)
+    (calls_star, star, star_params), (calls_lite, lite, lite_params) = runs["star_server"], runs["star_server_lite"]
     assert calls_lite < calls_star
-    for key in star:
-        if key.startswith("dense/"):
-            assert torch.allclose(star[key], lite[key], atol=1e-6), key
+    compared = [k for k in star if k.startswith(("dense/", "emb/")) and k.endswith(("/values", "/keys"))
+                or k.startswith("dense/")]
+    assert any(k.startswith("emb/") for k in compared)
+    for key in compared:
+        assert torch.allclose(star[key], lite[key], atol=1e-6), key
+    if dense == "allreduce":
+        for name, value in star_params.items():
+            assert torch.allclose(value, lite_params[name], atol=1e-6), name
 
 
 def test_async_embedding_pulls_rows_in_the_prefetch(ps_pool, unique_tsv):

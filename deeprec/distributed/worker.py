@@ -28,6 +28,26 @@ from deeprec.optim.dense import OptimizerGroup, torch_optimizers
 from deeprec.optim.sparse import merge_rows
 
 
+class DeferredPush:
+    """star_server_lite: the last step's push, held until it can ride with the next pull
+    (whichever pulls first takes it; a lock, since async embedding pulls in the stage thread)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._held = None
+
+    def put(self, grads: dict, step: int):
+        """Hold this push; returns the one still held before it (to be sent now), if any."""
+        with self._lock:
+            previous, self._held = self._held, (grads, step)
+            return previous
+
+    def take(self):
+        with self._lock:
+            held, self._held = self._held, None
+            return held
+
+
 class RemoteLookup(nn.Module):
     """Stands in for a FusedLookup of EmbeddingVariables: same inputs and outputs,
     rows pulled from and gradients kept for the PSs.
@@ -48,8 +68,13 @@ class RemoteLookup(nn.Module):
         self._lock = threading.Lock()
         self._token = torch.zeros(0, requires_grad=True)
         self.prefetch_hits = self.direct_pulls = 0
+        self.deferred: DeferredPush | None = None  # star_server_lite: a push to carry with a training pull
 
     def _fetch(self, uniques, train: bool) -> torch.Tensor:
+        held = self.deferred.take() if self.deferred is not None and train else None
+        if held is not None:  # last step's push and this pull: one PushPull round trip per PS
+            rows = self.client.push_pull(held[0], dict(zip(self.names, uniques)))
+            return torch.cat([rows[n] for n in self.names])
         return self.client.pull_rows(self.names, list(uniques), train=train)
 
     def prefetch(self, uniques, train: bool) -> None:
@@ -127,7 +152,10 @@ class PSUpdater:
                 module.lookup = RemoteLookup(client, names, local)  # the local tables are dropped
                 self.remotes.append(module.lookup)
         self.dense = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        self.dense_mode, self._deferred, self.allreduce, self.optimizer = dense, None, None, None
+        self.dense_mode, self.allreduce, self.optimizer = dense, None, None
+        self.deferred = DeferredPush()  # star_server_lite (async): rides with the next pull
+        for remote in self.remotes:
+            remote.deferred = self.deferred
         if dense == "allreduce":
             self.optimizer = OptimizerGroup(torch_optimizers(model, optimizer, lr))
             if num_workers > 1:
@@ -148,10 +176,9 @@ class PSUpdater:
     def pull_dense(self) -> None:
         if self.dense_mode != "ps":
             return
-        if self._deferred is not None:  # star_server_lite: last step's push rides with this pull
-            grads, _ = self._deferred
-            self._deferred = None
-            values = self.client.push_pull(grads, {}, list(self.dense))
+        held = self.deferred.take()
+        if held is not None:  # star_server_lite: last step's push rides with this pull
+            values = self.client.push_pull(held[0], {}, list(self.dense))
         else:
             values = self.client.pull({}, list(self.dense))
         with torch.no_grad():
@@ -173,18 +200,18 @@ class PSUpdater:
                 if p.grad is not None:
                     grads[name] = p.grad.to_dense() if p.grad.is_sparse else p.grad
                     p.grad = None
-        lite = self.client.protocol == "star_server_lite" and self.client.sync_workers <= 1
-        if lite and self.dense_mode == "ps":
-            self._deferred = (grads, self.step)  # sent with the next step's dense pull (or by finish)
+        if self.client.protocol == "star_server_lite" and self.client.sync_workers <= 1:
+            held = self.deferred.put(grads, self.step)  # rides with the next step's first pull (or the flush)
+            if held is not None:  # no pull took the previous one: send it now
+                self.client.push(*held)
         else:
             self.client.push(grads, self.step)
 
     def _flush(self) -> None:
         """Send a push still held back by star_server_lite (checkpoints, evaluation, the end)."""
-        if self._deferred is not None:
-            grads, step = self._deferred
-            self._deferred = None
-            self.client.push(grads, step)
+        held = self.deferred.take()
+        if held is not None:
+            self.client.push(*held)
 
     def finish(self) -> None:
         """This worker's training is over: flush, and, with all-reduce, join the other
