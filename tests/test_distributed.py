@@ -436,3 +436,23 @@ def test_pin_cores_pins_the_communication_threads(monkeypatch):
     assert client._pool.submit(os.sched_getaffinity, 0).result() == {allowed[-1]}  # the last core
     assert os.sched_getaffinity(0) == set(allowed)  # the caller (the training step) is not pinned
     client.close()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "star_server", "star_server_lite"])
+def test_tables_of_several_dims_route_over_two_ps(ps_pool, protocol):
+    """Rows of tables of two dims, keys split over two PSs: each table gets its own rows back."""
+    addresses, _ = ps_pool(2)
+    client = PSClient(addresses, protocol, deadline_s=20)
+    dims = {"a": 3, "b": 2, "c": 3}
+    defaults = {name: torch.full((1, d), float(i + 1)) for i, (name, d) in enumerate(dims.items())}
+    client.register(dims, {}, optimizer="sgd", lr=1.0, defaults=defaults)
+    keys = {"a": torch.arange(0, 7), "b": torch.arange(3, 8), "c": torch.tensor([1, 4, 1000, 1001])}
+    pulled = client.pull(keys)
+    for name, k in keys.items():
+        assert torch.equal(pulled[name], defaults[name].expand(k.numel(), -1)), name
+    grads = {name: (k, torch.arange(k.numel(), dtype=torch.float32).unsqueeze(1).expand(-1, dims[name]).contiguous())
+             for name, k in keys.items()}
+    after = client.push_pull(grads, keys) if protocol == "star_server_lite" else (client.push(grads), client.pull(keys))[1]
+    for name, (k, g) in grads.items():
+        assert torch.equal(after[name], defaults[name] - g), name
+    client.close()

@@ -31,7 +31,6 @@ def batches(path: str, rank: int | None):
 
 
 def model():
-    from deeprec.data import resolve_schema  # noqa: F401
     from deeprec.models import build_model
 
     torch.manual_seed(3)

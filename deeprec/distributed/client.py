@@ -100,7 +100,7 @@ class PSClient:
             jobs.append(("Register", ps, {"variables": specs}, tensors))
         self._fan_out(jobs)
 
-    def _pull_jobs(self, routing: "_Routing | None", dense: list[str], train: bool, method: str = "Pull",
+    def _pull_jobs(self, routing: "_Routing | None", dense: list[str], train: bool,
                    prefix: str = "") -> dict[int, tuple[dict, dict]]:
         """{ps: (header, tensors)}: the fused rows and dense variables of each PS concerned."""
         jobs = {}
@@ -135,12 +135,18 @@ class PSClient:
         out.update(self._dense_values(replies, dense))
         return out
 
-    def pull_rows(self, names: list[str], keys: list[torch.Tensor], train: bool = True) -> torch.Tensor:
-        """Rows of tables of one dim, concatenated in `names` order: [sum of keys, dim]."""
+    def pull_rows(self, names: list[str], keys: list[torch.Tensor], train: bool = True,
+                  push: dict | None = None) -> torch.Tensor:
+        """Rows of tables of one dim, concatenated in `names` order: [sum of keys, dim].
+        `push` (star_server_lite): gradients sent in the same round trip, before the pull."""
         routing = _Routing(self, dict(zip(names, keys)))
         if len(routing.dims) != 1 or routing.names != list(names):
             raise PSError(f"pull_rows needs tables of one dim, got dims {routing.dims}")
-        return routing.assemble(self._call_all("Pull", self._pull_jobs(routing, [], train)))[routing.dims[0]]
+        if push is None:
+            replies = self._call_all("Pull", self._pull_jobs(routing, [], train))
+        else:
+            replies = self._call_all("PushPull", self._push_pull_jobs(push, routing, []))
+        return routing.assemble(replies)[routing.dims[0]]
 
     def _dense_values(self, replies: dict[int, dict], dense: list[str]) -> dict:
         return {n: replies[self.dense_owner(n)][f"dense/{n}"] for n in dense}
@@ -151,9 +157,9 @@ class PSClient:
             if rows else None
         jobs = {}
         for ps in range(self.num_ps):
-            tensors = {f"{prefix}dense/{n}": g.float() for n, g in grads.items()
-                       if not isinstance(g, tuple) and self.dense_owner(n) == ps}
-            part = {"dense": [n[len(prefix) + 6:] for n in tensors], **(header or {})}
+            dense = [n for n, g in grads.items() if not isinstance(g, tuple) and self.dense_owner(n) == ps]
+            tensors = {f"{prefix}dense/{n}": grads[n].float() for n in dense}
+            part = {"dense": dense, **(header or {})}
             if routing is not None and routing.reaches(ps):
                 part["embeddings"] = routing.names
                 tensors.update(routing.tensors(ps, prefix))
@@ -181,17 +187,19 @@ class PSClient:
             self.push(grads)
             return self.pull(keys, dense)
         dense = list(dense)
-        pushes = self._push_jobs(grads, "push.")
         routing = _Routing(self, keys) if keys else None
-        pulls = self._pull_jobs(routing, dense, True, prefix="pull.")
+        replies = self._call_all("PushPull", self._push_pull_jobs(grads, routing, dense))
+        out = routing.split(routing.assemble(replies)) if routing else {}
+        out.update(self._dense_values(replies, dense))
+        return out
+
+    def _push_pull_jobs(self, grads: dict, routing: "_Routing | None", dense: list[str]) -> dict:
+        pushes, pulls = self._push_jobs(grads, "push."), self._pull_jobs(routing, dense, True, prefix="pull.")
         jobs = {}
         for ps in sorted({*pushes, *pulls}):
             push, pull = pushes.get(ps, ({}, {})), pulls.get(ps, ({}, {}))
             jobs[ps] = ({"push": push[0], "pull": pull[0]}, {**push[1], **pull[1]})
-        replies = self._call_all("PushPull", jobs)
-        out = routing.split(routing.assemble(replies)) if routing else {}
-        out.update(self._dense_values(replies, dense))
-        return out
+        return jobs
 
     def export(self) -> list[dict]:
         return [t for _, t in self._fan_out([("Export", ps, {}, {}) for ps in range(self.num_ps)])]
@@ -242,9 +250,11 @@ class _Routing:
         self.flat = torch.cat([keys[n].reshape(-1) for n in self.names])
         dims = self.table_dims = [client.dims[n] for n in self.names]
         self.dims = list(dict.fromkeys(dims))
-        ends = torch.tensor(sizes).cumsum(0).tolist()
-        self.spans = {d: (ends[dims.index(d)] - sizes[dims.index(d)], ends[len(dims) - 1 - dims[::-1].index(d)])
-                      for d in self.dims}
+        self.spans, offset = {}, 0  # dim -> [start, end) of its tables' rows
+        for d, n in zip(dims, sizes):
+            start = self.spans.get(d, (offset, offset))[0]
+            offset += n
+            self.spans[d] = (start, offset)
         self.grads = None if grads is None else {
             d: torch.cat([grads[n].reshape(-1, d) for n, nd in zip(self.names, dims) if nd == d]).float()
             for d in self.dims}

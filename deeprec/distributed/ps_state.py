@@ -238,10 +238,9 @@ class ShardState:
             if pending["count"] < workers:
                 return
             del self._sync[step]
-            updates, dense = [], {name: sum(gs) / workers for name, gs in pending["dense"].items()}
-            for arena in dict.fromkeys(a for a, _, _, _ in pending["rows"]):
-                mine = [(r, g) for a, r, _, g in pending["rows"] if a is arena]
-                updates.append((arena, torch.cat([r for r, _ in mine]), True, torch.cat([g for _, g in mine]) / workers))
+            # the workers' rows may repeat: _apply merges each arena's parts and sums repeats
+            updates = [(arena, rows, True, grads / workers) for arena, rows, _, grads in pending["rows"]]
+            dense = {name: sum(gs) / workers for name, gs in pending["dense"].items()}
         self._apply(updates, dense)
         if step is not None:
             self.applied_step = max(self.applied_step, step)
@@ -251,7 +250,7 @@ class ShardState:
             mine = [(r, repeated, g) for a, r, repeated, g in updates if a is arena]
             if len(mine) == 1:
                 arena.apply(mine[0][0], mine[0][2], bool(mine[0][1]))
-            else:
+            else:  # several parts (sync: one per worker): rows may repeat
                 arena.apply(torch.cat([r for r, _, _ in mine]), torch.cat([g for _, _, g in mine]))
         for group in dict.fromkeys(self.dense[n] for n in dense):
             group.apply({n: g for n, g in dense.items() if self.dense[n] is group})

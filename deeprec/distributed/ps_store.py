@@ -128,10 +128,9 @@ class EmbeddingArena:
     def load(self, states: dict[int, dict], shard_index: int, num_shards: int) -> None:
         """Replace the rows of the variables in `states` (keeping this shard's keys); the
         other variables keep theirs. The arena is rebuilt, so rows are renumbered."""
-        kept = [self.export(var) for var in range(len(self.names))]
         parts = []
-        for var, state in enumerate(kept):
-            state = states.get(var, state)
+        for var in range(len(self.names)):
+            state = states[var] if var in states else self.export(var)
             mine = shard_of(state["keys"], num_shards) == shard_index
             parts.append((var, {k: v[mine] for k, v in state.items() if k != "global_step" and v.dim() > 0}))
         total = sum(int(p["keys"].numel()) for _, p in parts)

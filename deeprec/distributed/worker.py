@@ -72,10 +72,8 @@ class RemoteLookup(nn.Module):
 
     def _fetch(self, uniques, train: bool) -> torch.Tensor:
         held = self.deferred.take() if self.deferred is not None and train else None
-        if held is not None:  # last step's push and this pull: one PushPull round trip per PS
-            rows = self.client.push_pull(held[0], dict(zip(self.names, uniques)))
-            return torch.cat([rows[n] for n in self.names])
-        return self.client.pull_rows(self.names, list(uniques), train=train)
+        # with a held push (star_server_lite): last step's push and this pull in one round trip per PS
+        return self.client.pull_rows(self.names, list(uniques), train=train, push=None if held is None else held[0])
 
     def prefetch(self, uniques, train: bool) -> None:
         rows = self._fetch(uniques, train)
