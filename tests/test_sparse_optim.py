@@ -129,3 +129,44 @@ def test_ftrl_group_lasso_zeroes_whole_rows(weight):
     plain, _ = run_ours(optim.FTRL(lr=0.1), weight, steps)
     assert torch.allclose(mild, plain, atol=1e-3) and (mild[touched].abs().sum(1) > 0).all()
     assert math.isclose(float(mild[touched].norm()), float(plain[touched].norm()), rel_tol=1e-2)
+
+
+@pytest.mark.parametrize("dim", [16, 19, 64])  # whole vectors, a scalar tail, several vectors per row
+def test_fused_kernels_match_torch_at_vector_widths(dim):
+    weight = torch.randn(40, dim, generator=torch.Generator().manual_seed(2))
+    steps = [(rows, torch.randn(12, dim, generator=torch.Generator().manual_seed(i))) for i, (rows, _) in
+             enumerate(make_steps(n_rows=40))]
+    for ours_opt, make in [(optim.SGD(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1)),
+                           (optim.Adagrad(lr=0.1), lambda p: torch.optim.Adagrad(p, lr=0.1, initial_accumulator_value=0.1,
+                                                                                  eps=1e-10)),
+                           (optim.Adam(lr=0.01), lambda p: torch.optim.SparseAdam(p, lr=0.01))]:
+        ours, _ = run_ours(ours_opt, weight, steps)
+        touched = torch.unique(torch.cat([r for r, _ in steps]))
+        ref = run_torch(make, weight, steps, sparse=isinstance(ours_opt, optim.Adam))
+        assert torch.allclose(ours[touched], ref[touched], atol=1e-6), type(ours_opt).__name__
+        assert torch.equal(ours[20:], weight[20:])
+
+
+def test_fused_kernels_pass_opcheck():
+    w, s1, s2 = torch.randn(10, 8), torch.rand(10, 8) + 0.1, torch.rand(10, 8)
+    rows, grad = torch.tensor([3, 0, 7]), torch.randn(3, 8)
+    ops = torch.ops.deeprec
+    torch.library.opcheck(ops.sparse_sgd_, (w.clone(), rows, grad, 0.1))
+    torch.library.opcheck(ops.sparse_adagrad_, (w.clone(), s1.clone(), rows, grad, 0.1, 1e-10))
+    torch.library.opcheck(ops.sparse_adam_, (w.clone(), s1.clone(), s2.clone(), None, rows, grad, 0.1, 0.9, 0.999,
+                                             1e-8, 3))
+    torch.library.opcheck(ops.sparse_adam_, (w.clone(), s1.clone(), s2.clone(), torch.zeros(10), rows, grad, 0.1,
+                                             0.9, 0.999, 1e-8, 1))
+
+
+def test_fused_kernels_refuse_bad_rows_and_layouts():
+    w, acc, grad = torch.zeros(10, 4), torch.zeros(10, 4), torch.ones(2, 4)
+    with pytest.raises(RuntimeError, match=r"row 10 out of range \[0, 10\)"):
+        torch.ops.deeprec.sparse_adagrad_(w, acc, torch.tensor([1, 10]), grad, 0.1, 1e-10)
+    with pytest.raises(RuntimeError, match="row -1 out of range"):
+        torch.ops.deeprec.sparse_sgd_(w, torch.tensor([-1, 2]), grad, 0.1)
+    with pytest.raises(RuntimeError, match="shaped and laid out like weight"):
+        torch.ops.deeprec.sparse_adagrad_(w, torch.zeros(10, 5), torch.tensor([1, 2]), grad, 0.1, 1e-10)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        torch.ops.deeprec.sparse_sgd_(torch.zeros(4, 10).t(), torch.tensor([1, 2]), grad, 0.1)
+    assert (w == 0).all() and (acc == 0).all()  # nothing written before the checks passed

@@ -50,3 +50,18 @@ def _(table, row_ns, row_keys, ns, keys, size, insert):
 @torch.library.register_fake("deeprec::ps_index_build")
 def _(table, row_ns, row_keys, size):
     return None
+
+
+@torch.library.register_fake("deeprec::sparse_sgd_")
+def _(weight, rows, grad, lr):
+    return None
+
+
+@torch.library.register_fake("deeprec::sparse_adagrad_")
+def _(weight, acc, rows, grad, lr, eps):
+    return None
+
+
+@torch.library.register_fake("deeprec::sparse_adam_")
+def _(weight, exp_avg, exp_avg_sq, row_step, rows, grad, lr, beta1, beta2, eps, step):
+    return None

@@ -3,6 +3,8 @@
 Each optimizer applies, in place, to `weight[rows]` and its slots `slots[name][rows]`,
 with `rows` unique (duplicate ids' gradients are summed first, see `merge_rows`): so
 updates are gathers and scatters of distinct rows, never accumulating scatters.
+SGD, Adagrad, Adam and AdamAsync run as one C++ pass over the rows
+(deeprec/csrc/sparse_optim.cpp, no GIL); FTRL is a composition of torch ops.
 Slots are plain tensors with one row per embedding row, owned by the embedding
 (an EmbeddingVariable grows them with its key index). The math of each class
 matches the named torch.optim class restricted to those rows (tests check it).
@@ -21,6 +23,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+import deeprec._C  # noqa: F401  (registers torch.ops.deeprec.sparse_*)
 
 
 def merge_rows(rows: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +76,7 @@ class RowSparseOptimizer:
 
 class SGD(RowSparseOptimizer):
     def update(self, weight, slots, rows, grad):
-        weight.index_copy_(0, rows, weight.index_select(0, rows).sub_(grad, alpha=self.lr))
+        torch.ops.deeprec.sparse_sgd_(weight, rows, grad.contiguous(), self.lr)
 
 
 class Adagrad(RowSparseOptimizer):
@@ -82,11 +86,7 @@ class Adagrad(RowSparseOptimizer):
         self.slots = {"accumulator": initial_accumulator_value}
 
     def update(self, weight, slots, rows, grad):
-        acc = slots["accumulator"]
-        new_acc = acc.index_select(0, rows).addcmul_(grad, grad)
-        acc.index_copy_(0, rows, new_acc)
-        step = grad / new_acc.sqrt_().add_(self.eps)
-        weight.index_copy_(0, rows, weight.index_select(0, rows).sub_(step, alpha=self.lr))
+        torch.ops.deeprec.sparse_adagrad_(weight, slots["accumulator"], rows, grad.contiguous(), self.lr, self.eps)
 
 
 class Adam(RowSparseOptimizer):
@@ -95,38 +95,17 @@ class Adam(RowSparseOptimizer):
         self.betas, self.eps = betas, eps
         self.slots = {"exp_avg": 0.0, "exp_avg_sq": 0.0}
 
-    def _moments(self, slots, rows, grad):
-        b1, b2 = self.betas
-        m = slots["exp_avg"].index_select(0, rows).mul_(b1).add_(grad, alpha=1 - b1)
-        v = slots["exp_avg_sq"].index_select(0, rows).mul_(b2).addcmul_(grad, grad, value=1 - b2)
-        slots["exp_avg"].index_copy_(0, rows, m)
-        slots["exp_avg_sq"].index_copy_(0, rows, v)
-        return m, v
-
     def update(self, weight, slots, rows, grad):
-        b1, b2 = self.betas
-        m, v = self._moments(slots, rows, grad)
-        t = self.step_count
-        step_size = self.lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
-        denom = v.sqrt_().add_(self.eps * math.sqrt(1 - b2 ** t))
-        weight.index_copy_(0, rows, weight.index_select(0, rows).sub_(m / denom, alpha=step_size))
+        torch.ops.deeprec.sparse_adam_(weight, slots["exp_avg"], slots["exp_avg_sq"], slots.get("row_step"), rows,
+                                       grad.contiguous(), self.lr, *self.betas, self.eps, self.step_count)
 
 
 class AdamAsync(Adam):
-    """Adam whose bias correction counts each row's own updates."""
+    """Adam whose bias correction counts each row's own updates (the `row_step` slot)."""
 
     def __init__(self, lr: float = 0.001, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
         super().__init__(lr, betas, eps)
         self.row_slots = {"row_step": 0.0}
-
-    def update(self, weight, slots, rows, grad):
-        b1, b2 = self.betas
-        m, v = self._moments(slots, rows, grad)
-        t = slots["row_step"].index_select(0, rows).add_(1.0)
-        slots["row_step"].index_copy_(0, rows, t)
-        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
-        update = (m / bc1.unsqueeze(1)) / (v / bc2.unsqueeze(1)).sqrt_().add_(self.eps)
-        weight.index_copy_(0, rows, weight.index_select(0, rows).sub_(update, alpha=self.lr))
 
 
 class FTRL(RowSparseOptimizer):
