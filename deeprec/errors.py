@@ -26,6 +26,10 @@ class OutOfRangeError(DeepRecError):
     """The input is exhausted (the seed's ``tf.errors.OutOfRangeError``)."""
 
 
+class NonFiniteError(DeepRecError):
+    """A loss or gradient that is inf or nan (training stops before applying it)."""
+
+
 class ConfigError(DeepRecError, ValueError):
     """An option with a value outside its allowed set or range."""
 

@@ -29,7 +29,7 @@ from deeprec.options import build, option
 from deeprec.checkpoint import (checkpoint_step, latest_checkpoint, list_checkpoints, load_checkpoint,
                                 save_checkpoint)
 from deeprec.data import open_reader, resolve_schema, schema_to_dict
-from deeprec.errors import ConfigError
+from deeprec.errors import ConfigError, NonFiniteError
 from deeprec.models import MODELS, build_model
 from deeprec.nn import incremental_state_dict
 from deeprec.runtime import optimize
@@ -62,6 +62,8 @@ class TrainConfig:
     seed: int = option(0, "seed of the model's initialization and the shuffle")
     on_bad_row: str = option("raise", "a row that does not parse: stop with its file and line, or skip and count it",
                              choices=("raise", "skip"))
+    on_nan: str = option("raise", "a step whose loss or dense gradient is not finite is never applied: stop with "
+                         "its step and reader position, or skip that batch and count it", choices=("raise", "skip"))
     checkpoint_dir: str | None = option(None, "folder of the checkpoints")
     checkpoint_every: int = option(0, "steps between checkpoints; 0: only at the end")
     incremental_every: int = option(0, "steps between incremental checkpoints (EmbeddingVariable rows touched "
@@ -207,6 +209,7 @@ class Trainer:
         batch_norm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in self.model.modules())
         self.train_reader, self.eval_reader = make_readers(cfg, self.schema, drop_remainder=batch_norm)
         self._reader_state = self.train_reader.state_dict()  # position of the last batch trained on
+        self.skipped_nonfinite = 0
         if cfg.resume:
             self._restore()
 
@@ -248,6 +251,17 @@ class Trainer:
         self.console.print(f"resumed from {', '.join(map(os.path.basename, chain))} at step {self.step}")
 
     # -- loop ------------------------------------------------------------------------
+    def _nonfinite(self, what: str) -> None:
+        """A step that was not applied (its loss or dense gradient is inf or nan)."""
+        position = self._reader_state
+        where = f"epoch {position['epoch']}, batch {position['batches']}" if position else "unknown position"
+        if self.cfg.on_nan == "raise":
+            raise NonFiniteError(f"non-finite {what} at step {self.step + 1} (reader {where}; the step was not "
+                                 "applied): check the data and the learning rate, or --on-nan skip to skip such "
+                                 "batches and count them")
+        self.skipped_nonfinite += 1
+        log.warning("skipped a batch with a non-finite %s at step %d (reader %s)", what, self.step, where)
+
     def train(self) -> dict:
         cfg = self.cfg
         self.model.train()
@@ -266,6 +280,9 @@ class Trainer:
                     out, self._reader_state = next(steps, (None, self._reader_state))
                 if out is None:
                     break
+                if "nonfinite" in out:
+                    self._nonfinite(out["nonfinite"])
+                    continue
                 if self.step - start_step == STEADY_AFTER:
                     steady = (time.perf_counter(), rows + len(out["logits"]))
                 rows += len(out["logits"])
@@ -288,7 +305,7 @@ class Trainer:
                   # after warm-up and SmartStage auto's calibration: the rate a long run keeps
                   "steady_samples_per_s": ((rows - steady[1]) / (started + elapsed - steady[0])
                                            if steady is not None and rows > steady[1] else None),
-                  "bad_rows": self.train_reader.stats.bad_rows}
+                  "bad_rows": self.train_reader.stats.bad_rows, "skipped_nonfinite": self.skipped_nonfinite}
         if self.fast.prefetch_stats is not None:
             result["stage"] = asdict(self.fast.prefetch_stats)
         if self.malloc_note:

@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
 from deeprec.data.reader import BatchReader, resolve_paths
-from deeprec.data.schema import Schema, check_labels
+from deeprec.data.schema import Schema, check_values
 from deeprec.errors import DataError
 
 CHUNK_BYTES = 4 << 20
@@ -185,7 +185,7 @@ class CsvReader(BatchReader):
         problems = [(lambda k=k: locator.bad_width_line(k), f"expected {len(layout.names)} fields, found {w}")
                     for k, w in enumerate(wrong_width)]
         reasons = dict(bad)
-        label_ok = check_labels(schema, table, reasons)
+        label_ok = check_values(schema, table, reasons)
         if label_ok is not None:
             valid = label_ok if valid is None else pc.and_(valid, label_ok)
         if valid is not None and not pc.all(valid).as_py():

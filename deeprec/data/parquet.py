@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from deeprec.data.criteo import CRITEO_SCHEMA
 from deeprec.data.reader import BatchReader, resolve_paths
-from deeprec.data.schema import Schema, check_labels
+from deeprec.data.schema import Schema, check_values
 from deeprec.errors import DataError
 from deeprec.ragged import Ragged
 
@@ -78,7 +78,7 @@ class ParquetReader(BatchReader):
             columns[c.name] = col
         table = pa.table(columns)
         reasons: dict[int, str] = {}
-        valid = check_labels(schema, table, reasons)
+        valid = check_values(schema, table, reasons)
         if valid is not None and not pc.all(valid).as_py():
             bad_rows = np.flatnonzero(~valid.to_numpy(zero_copy_only=False))
             self._report(path, [(lambda r=int(r): first_row + r + 1,

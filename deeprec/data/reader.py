@@ -145,10 +145,13 @@ class BatchReader(torch.utils.data.IterableDataset):
             units = self._shard_units()
             if self.shuffle_buffer > 0:
                 units = [units[i] for i in rng.permutation(len(units))]
-            tables = (t for unit in units for t in self._read_unit(unit) if t.num_rows)
+            seen = {"rows": 0, "bad": self.stats.bad_rows}  # this epoch's valid rows and bad rows
+            tables = (_counted(t, seen) for unit in units for t in self._read_unit(unit) if t.num_rows)
             if self.shuffle_buffer > 0:
                 tables = _shuffle(tables, self.shuffle_buffer, rng)
+            yielded = False
             for table in _rebatch(tables, self.batch_size, self.drop_remainder):
+                yielded = True
                 if skip:
                     skip -= 1
                     continue
@@ -159,11 +162,36 @@ class BatchReader(torch.utils.data.IterableDataset):
                 yield batch
             if skip:
                 raise ConfigError(f"reader state points past the end of epoch {self._epoch}")
+            if not yielded and not _in_split_worker():  # another epoch would yield none either: never loop
+                raise DataError(self._no_batch_reason(seen["rows"], self.stats.bad_rows - seen["bad"], bool(units)),
+                                ", ".join(self.paths))
             self._epoch += 1
             self._batches_in_epoch = 0
 
+    def _no_batch_reason(self, rows: int, bad: int, has_units: bool) -> str:
+        if rows and self.drop_remainder:
+            return (f"epoch {self._epoch} yields no batch: {rows} valid rows < batch size {self.batch_size} and "
+                    "short batches are dropped (a model with batch norm cannot train on them): lower --batch-size")
+        if bad:
+            return f"no valid rows: all {bad} rows are bad (skipped under on_bad_row='skip')"
+        where = f" in shard {self.shard_index} of {self.num_shards}" if self.num_shards > 1 else ""
+        if not has_units:
+            return f"no data{where}: use fewer shards or more files"
+        return f"no data rows{where} (the files hold no rows, or only a header)"
+
     def _to_batch(self, table: pa.Table) -> dict:
         return self.columns.to_batch(table)
+
+
+def _counted(table: pa.Table, seen: dict) -> pa.Table:
+    seen["rows"] += table.num_rows
+    return table
+
+
+def _in_split_worker() -> bool:
+    """Inside one of several DataLoader workers: a worker may own no unit of the shard."""
+    worker = torch.utils.data.get_worker_info()
+    return worker is not None and worker.num_workers > 1
 
 
 def _shuffle(tables: Iterator[pa.Table], size: int, rng: np.random.Generator) -> Iterator[pa.Table]:

@@ -155,23 +155,28 @@ class Schema:
         return batch
 
 
-def check_labels(schema: Schema, table: pa.Table, reasons: dict) -> object:
-    """Rows whose labels are valid (0/1, or any number with positive_at) as a boolean
-    array (None if there is no label column); adds "why not" per bad row to `reasons`."""
+def check_values(schema: Schema, table: pa.Table, reasons: dict) -> object:
+    """Rows whose values the model can train on, as a boolean array (None if no column is
+    checked); adds "why not" per bad row to `reasons`:
+    labels are 0/1 (or any number with positive_at); dense values and weights are finite
+    float32 or missing (a value beyond float32's range, inf or nan would turn the model to nan)."""
     valid = None
-    for name in schema.labels:
-        label = table.column(name)
-        if schema[name].positive_at is None:  # must be exactly 0 or 1
-            ok = pc.fill_null(pc.or_(pc.equal(label, 0.0), pc.equal(label, 1.0)), False)
-        else:  # a score: any number
-            ok = pc.invert(pc.is_null(label, nan_is_null=True))
+    for c in schema.columns:
+        if c.kind not in ("label", "dense", "weight"):
+            continue
+        col = table.column(c.name)
+        if c.kind == "label" and c.positive_at is None:  # must be exactly 0 or 1
+            ok, wanted = pc.fill_null(pc.or_(pc.equal(col, 0.0), pc.equal(col, 1.0)), False), "0 or 1"
+        elif c.kind == "label":  # a score: any finite number
+            ok, wanted = pc.fill_null(pc.is_finite(col), False), "a finite number"
+        else:  # missing values are filled by the schema's default; present ones must be finite
+            ok, wanted = pc.fill_null(pc.is_finite(col), True), "a finite float32 (|x| < 3.4e38) or empty"
         if not pc.all(ok).as_py():
-            values = label.to_numpy(zero_copy_only=False)
-            wanted = "0 or 1" if schema[name].positive_at is None else "a number"
+            values = col.to_numpy(zero_copy_only=False)
             for row in np.flatnonzero(~ok.to_numpy(zero_copy_only=False)):
                 value = values[row]
-                shown = "nothing" if value is None or np.isnan(value) else f"{float(value):g}"
-                reasons.setdefault(int(row), f"{name} must be {wanted}, found {shown}")
+                shown = "nothing" if value is None or (c.kind == "label" and np.isnan(value)) else f"{float(value):g}"
+                reasons.setdefault(int(row), f"{c.name} must be {wanted}, found {shown}")
         valid = ok if valid is None else pc.and_(valid, ok)
     return valid
 

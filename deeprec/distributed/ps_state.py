@@ -217,6 +217,7 @@ class ShardState:
             if grads is None or grads.dtype != torch.float32 or list(grads.shape) != [n, dim]:
                 got = "missing" if grads is None else f"{str(grads.dtype)[6:]} {list(grads.shape)}"
                 raise WireError(f"'{prefix}grads/{dim}' must be float32 [{n}, {dim}] for its keys, got {got}")
+            _check_finite(grads, f"{prefix}grads/{dim}")
             for p in parts:
                 if p.dim == dim:
                     rows_grads.append((p, grads if p.position is None else grads[p.position]))
@@ -226,6 +227,7 @@ class ShardState:
             shape = self.dense[name].spans[name][2]
             if grad is None or grad.dtype != torch.float32 or list(grad.shape) != shape:
                 raise WireError(f"'{prefix}dense/{name}' must be a float32 gradient of shape {shape}")
+            _check_finite(grad, f"{prefix}dense/{name}")
             dense[name] = grad
         updates = [(p.arena, *p.arena.rows(p.ns, p.keys, insert=False), g) for p, g in rows_grads]  # arena, rows, repeated, grads
         if workers > 1 and step is not None:
@@ -360,6 +362,14 @@ def int_field(header: dict, key: str, default: int, low: int | None = None, high
             or (high is not None and value > high):
         raise WireError(f"header {key!r} must be an int in [{low}, {high}], got {value!r}")
     return value
+
+
+def _check_finite(grad: torch.Tensor, name: str) -> None:
+    """A non-finite gradient would turn the rows it touches to nan for every worker."""
+    if grad.numel() and not bool(torch.isfinite(grad).all()):
+        bad = int(torch.nonzero(~torch.isfinite(grad.reshape(-1)))[0])
+        raise WireError(f"'{name}' holds a non-finite gradient ({float(grad.reshape(-1)[bad])} at element {bad}): "
+                        "nothing of this push was applied")
 
 
 def _check_fields(header: dict, allowed: tuple, method: str) -> None:

@@ -205,6 +205,15 @@ class PSUpdater:
         else:
             self.client.push(grads, self.step)
 
+    def discard(self) -> None:
+        """Drop this step's gradients (a non-finite loss). The step still counts: with
+        all-reduce this worker joins with zero gradients, so the replicas stay equal."""
+        for remote in self.remotes:
+            remote.take_gradients()
+        for p in self.dense.values():
+            p.grad = torch.zeros_like(p) if self.dense_mode == "allreduce" else None
+        self.apply()
+
     def _flush(self) -> None:
         """Send a push still held back by star_server_lite (checkpoints, evaluation, the end)."""
         held = self.deferred.take()

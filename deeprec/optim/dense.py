@@ -35,8 +35,11 @@ class OptimizerGroup:
             lookup.step()  # nothing kept (the update ran fused in backward): nothing to do
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the dense gradients and the embedding rows kept for the step."""
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)
+        for lookup in self.lookups:
+            lookup.zero_grad()
 
     def state_dict(self) -> dict:
         return {"optimizers": [opt.state_dict() for opt in self.optimizers]}

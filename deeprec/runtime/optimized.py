@@ -109,24 +109,37 @@ class OptimizedModel(nn.Module):
         for lookup in deferred:
             lookup.check_applied()
             lookup.fused = False
+        finite = True
         try:
             for item, size in zip(items, sizes):
                 out = self(item)
+                outputs.append(out)
+                # a non-finite loss never reaches backward: the fused embedding update runs there
+                finite = bool(torch.isfinite(out["loss"]))
+                if not finite:
+                    break
                 with record_function("deeprec.backward"):
                     (out["loss"] * (size / total)).backward()
-                outputs.append(out)
         finally:
             for lookup in deferred:
                 lookup.fused = True
-        return combine_outputs(outputs, sizes)
+        if not finite:
+            return {**combine_outputs(outputs[-1:], [1]), "nonfinite": "loss"}
+        out = combine_outputs(outputs, sizes)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None and not p.grad.is_sparse]
+        if grads and not bool(torch.stack(torch._foreach_norm(grads)).isfinite().all()):
+            out["nonfinite"] = "gradient"
+        return out
 
     def train_steps(self, reader, updater):
         """The training loop's steps: for each batch, `updater.before_step()`, forward and
         backward (the stage ahead, micro-batches, streams as configured), `updater.apply()`;
-        yields (outputs, reader position after that batch) once the update is applied."""
+        yields (outputs, reader position after that batch) once the update is applied.
+        A step whose loss or dense gradient is not finite is not applied
+        (`updater.discard()`); its outputs carry "nonfinite" ("loss" or "gradient")."""
         for out in self.iterate(reader, backward=True, before_step=updater.before_step):
             with record_function("deeprec.update"):
-                updater.apply()
+                updater.discard() if "nonfinite" in out else updater.apply()
             yield out, self.last_source_state
 
     def iterate(self, reader, backward: bool = False, before_step=None):

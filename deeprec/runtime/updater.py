@@ -29,6 +29,8 @@ class Updater(Protocol):
 
     def apply(self) -> None: ...
 
+    def discard(self) -> None: ...
+
     def finish(self) -> None: ...
 
     def prepare_eval(self) -> None: ...
@@ -54,6 +56,10 @@ class LocalUpdater:
         self.optimizer.step()
         self.optimizer.zero_grad()
         self.step += 1
+
+    def discard(self) -> None:
+        """Drop this step's gradients (a non-finite loss): nothing is updated."""
+        self.optimizer.zero_grad()
 
     def finish(self) -> None:
         pass

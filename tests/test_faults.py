@@ -1,0 +1,148 @@
+"""Reproductions of the faults found by trying deeprec as a new user and by a fault probe
+(issue 14): each failed before its fix."""
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from deeprec.cli import sample_path
+from deeprec.data import open_reader
+from deeprec.errors import DataError, NonFiniteError
+from deeprec.trainer import TrainConfig, Trainer
+
+
+def _first_batch(reader, timeout: float = 60.0):
+    """next(iter(reader)) in a thread: a reader that loops without yielding fails the test, not the suite."""
+    result = {}
+
+    def run():
+        try:
+            result["batch"] = next(iter(reader), None)
+        except BaseException as err:  # handed to the test
+            result["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), "the reader loops without yielding a batch"
+    if "error" in result:
+        raise result["error"]
+    return result["batch"]
+
+
+def test_din_on_the_short_sample_fails_at_once_naming_the_batch_size():
+    # the bundled 200-row sample < batch 512, and DIN (batch norm) drops short batches: it used to spin forever
+    proc = subprocess.run([sys.executable, "-m", "deeprec", "train", "--model", "din", "--data",
+                           sample_path("movielens_sample.txt"), "--steps", "10", "--no-progress"],
+                          capture_output=True, text=True, timeout=120)
+    err = " ".join(proc.stderr.split())  # rich wraps lines
+    assert proc.returncode == 1, err
+    assert "200 valid rows < batch size 512" in err and "lower --batch-size" in err
+
+
+@pytest.mark.parametrize("epochs", [None, 1])
+def test_header_only_file_is_an_error_not_a_loop(tmp_path, sample, epochs):
+    path = tmp_path / "header.csv"
+    path.write_text(open(sample).readline())
+    reader = open_reader([str(path)], 64, num_epochs=epochs)
+    with pytest.raises(DataError, match="no data rows"):
+        _first_batch(reader)
+
+
+def test_every_row_bad_under_skip_is_an_error(tmp_path, sample):
+    lines = open(sample).read().splitlines()
+    path = tmp_path / "bad.csv"
+    path.write_text("\n".join([lines[0]] + [line.replace(",", ";", 3) for line in lines[1:20]]) + "\n")
+    reader = open_reader([str(path)], 8, num_epochs=None, on_bad_row="skip")
+    with pytest.raises(DataError, match="all 19 rows are bad"):
+        _first_batch(reader)
+
+
+def test_one_epoch_with_no_batch_does_not_exit_with_zero_steps():
+    # it used to exit 0 with 0 steps and loss nan
+    cfg = TrainConfig.create(model="din", data=[sample_path("movielens_sample.txt")], epochs=1, progress=False)
+    with pytest.raises(DataError, match="200 valid rows < batch size 512"):
+        Trainer(cfg).train()
+
+
+# -- non-finite values ---------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["1e39", "1e308", "inf", "-inf"])  # "nan" is read as missing (Arrow)
+def test_a_dense_value_beyond_float32_is_a_bad_row(tmp_path, sample, value):
+    lines = open(sample).read().splitlines()
+    fields = lines[5].split(",")
+    fields[3] = value  # I3
+    path = tmp_path / "big.csv"
+    path.write_text("\n".join(lines[:5] + [",".join(fields)] + lines[6:40]) + "\n")
+    with pytest.raises(DataError, match=r"big.csv:6: I3 must be a finite float32"):
+        list(open_reader([str(path)], 16))
+    reader = open_reader([str(path)], 16, on_bad_row="skip")
+    assert sum(len(b["label"]) for b in reader) == 38 and reader.stats.bad_rows == 1
+
+
+def _poisoned_trainer(tmp_path, sample, on_nan, steps=6, poison_batch=3):
+    cfg = TrainConfig.create(model="dlrm", data=[sample], steps=steps, batch_size=32, progress=False, seed=1,
+                             on_nan=on_nan, model_overrides={"hash_buckets": 100, "bottom_mlp": (16,), "top_mlp": (8,)})
+    trainer = Trainer(cfg)
+    to_batch, count = trainer.train_reader._to_batch, [0]
+
+    def poisoned(table):  # what a reader bug, a bad feature op or an overflow would hand the model
+        batch = to_batch(table)
+        count[0] += 1
+        if count[0] == poison_batch:
+            batch["I2"][0] = float("inf")
+        return batch
+
+    trainer.train_reader._to_batch = poisoned
+    return trainer
+
+
+def test_a_nonfinite_loss_stops_the_run_with_step_and_position_and_is_not_applied(tmp_path, sample):
+    trainer = _poisoned_trainer(tmp_path, sample, "raise")
+    with pytest.raises(NonFiniteError, match=r"non-finite loss at step 3 \(reader epoch 0, batch 3"):
+        trainer.train()
+    clean = Trainer(TrainConfig.create(**{**trainer.cfg.__dict__, "steps": 2}))
+    clean.train()
+    assert trainer.step == 2
+    pairs = zip([*trainer.model.named_parameters(), *trainer.model.named_buffers()],
+                [*clean.model.parameters(), *clean.model.buffers()], strict=True)
+    for (name, a), b in pairs:
+        assert torch.equal(a, b), name  # the poisoned step changed nothing
+
+
+def test_skip_counts_the_batch_and_trains_on(tmp_path, sample):
+    result = _poisoned_trainer(tmp_path, sample, "skip").train()
+    assert result["skipped_nonfinite"] == 1 and result["steps"] == 6
+    assert np.isfinite(result["final_loss"])
+
+
+def test_the_ps_refuses_nonfinite_pushes(tmp_path):
+    import grpc
+
+    from deeprec.distributed import PSClient
+    from deeprec.distributed.ps_shard import SERVICE
+    from deeprec.distributed.wire import pack
+
+    proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "127.0.0.1:0"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        address = proc.stdout.readline().split()[-1]
+        client = PSClient([address], deadline_s=20)
+        client.register({"emb": 2}, {"w": torch.ones(3)}, optimizer="sgd", lr=1.0)
+        before = client.pull({"emb": torch.tensor([4, 5])}, ["w"])
+        push = grpc.insecure_channel(address).unary_unary(f"/{SERVICE}/Push")
+        for grads, dense in [(torch.tensor([[1.0, float("nan")], [0.0, 0.0]]), torch.zeros(3)),
+                             (torch.zeros(2, 2), torch.tensor([0.0, float("inf"), 0.0]))]:
+            message = pack({"embeddings": ["emb"], "dense": ["w"]},
+                           {"keys": torch.tensor([4, 5]), "counts": torch.tensor([2]), "grads/2": grads, "dense/w": dense})
+            with pytest.raises(grpc.RpcError) as err:
+                push(message, timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "non-finite" in err.value.details()
+        after = client.pull({"emb": torch.tensor([4, 5])}, ["w"], train=False)
+        assert all(torch.equal(before[k], after[k]) for k in before)  # nothing half-applied
+        client.close()
+    finally:
+        proc.kill()
+        proc.wait(10)
