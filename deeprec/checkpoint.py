@@ -1,28 +1,44 @@
-"""Atomic checkpoints: written to a temp file, fsynced, then renamed into place.
+"""Atomic, verified checkpoints.
 
-A crash mid-write leaves the previous checkpoint intact; a reader never sees a
-partial file. Files are `checkpoint-<step>.pt`; the highest step is the latest.
+    checkpoint-<step>.pt              the payload (torch.save of tensors and plain containers)
+    checkpoint-<step>.manifest.json   {"format", "kind", "step", "bytes", "sha256"} of the payload
+
+Both are written to temporary files, fsynced, then renamed into place, the payload
+first: a checkpoint counts only once its manifest is there, so a crash mid-write
+leaves the previous checkpoints intact and at most a payload without a manifest
+(reported and skipped by resume). Loading checks size and sha256 before unpickling
+(weights_only), and every failure names the file. Stale temporary files of a killed
+writer are removed by `remove_stale_temporaries` at the start of a run.
 """
 from __future__ import annotations
 
+import hashlib
+import io
+import json
+import logging
 import os
 import re
 import tempfile
 
 import torch
 
+from deeprec.errors import CheckpointError
+
+FORMAT = 1
 _NAME = re.compile(r"^(checkpoint|incremental)-(\d+)\.pt$")
+_TEMP = re.compile(r"^\.checkpoint-.*\.tmp$")
+log = logging.getLogger("deeprec.checkpoint")
 
 
-def save_checkpoint(directory: str, step: int, state: dict, keep: int = 3, kind: str = "checkpoint") -> str:
-    """kind "checkpoint": a full save (older incremental ones become obsolete and are
-    removed); kind "incremental": the rows touched since the last full save."""
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"{kind}-{step:09d}.pt")
+def manifest_path(path: str) -> str:
+    return path[: -len(".pt")] + ".manifest.json"
+
+
+def _write_atomic(directory: str, path: str, write) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -30,22 +46,53 @@ def save_checkpoint(directory: str, step: int, state: dict, keep: int = 3, kind:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def save_checkpoint(directory: str, step: int, state: dict, keep: int = 3, kind: str = "checkpoint") -> str:
+    """kind "checkpoint": a full save (older incremental ones become obsolete and are
+    removed); kind "incremental": the rows touched since the last full save."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{kind}-{step:09d}.pt")
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getbuffer()
+    manifest = {"format": FORMAT, "kind": kind, "step": step, "bytes": len(payload),
+                "sha256": hashlib.sha256(payload).hexdigest()}
+    _write_atomic(directory, path, lambda f: f.write(payload))
+    _write_atomic(directory, manifest_path(path), lambda f: f.write(json.dumps(manifest).encode()))
     dir_fd = os.open(directory, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)  # make the rename itself durable
+        os.fsync(dir_fd)  # make the renames themselves durable
     finally:
         os.close(dir_fd)
     if kind == "checkpoint":
         for old in list_checkpoints(directory)[:-keep]:
-            os.unlink(old)
+            _remove(old)
         for old in list_checkpoints(directory, "incremental"):
             if checkpoint_step(old) <= step:
-                os.unlink(old)
+                _remove(old)
     return path
 
 
+def _remove(path: str) -> None:
+    for p in (manifest_path(path), path):  # the manifest first: a half-removed checkpoint reads as incomplete
+        if os.path.exists(p):
+            os.unlink(p)
+
+
+def remove_stale_temporaries(directory: str) -> list[str]:
+    """Delete the temporary files a killed writer left (call before this run writes any)."""
+    if not os.path.isdir(directory):
+        return []
+    stale = [os.path.join(directory, n) for n in os.listdir(directory) if _TEMP.match(n)]
+    for path in stale:
+        os.unlink(path)
+        log.warning("removed %s, left by an interrupted checkpoint write", path)
+    return stale
+
+
 def list_checkpoints(directory: str, kind: str = "checkpoint") -> list[str]:
-    """Complete checkpoints of one kind, oldest first."""
+    """Checkpoint payloads of one kind, oldest first (verified only when loaded)."""
     if not os.path.isdir(directory):
         return []
     found = sorted((int(m.group(2)), name) for name in os.listdir(directory)
@@ -63,8 +110,30 @@ def latest_checkpoint(directory: str) -> str | None:
 
 
 def load_checkpoint(path: str) -> dict:
-    # weights_only: a checkpoint holds tensors and plain containers; nothing is unpickled beyond that
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """The checkpoint's state, after checking its payload against its manifest;
+    CheckpointError naming the file when it is incomplete, truncated or corrupt."""
+    try:
+        with open(manifest_path(path), "rb") as f:
+            manifest = json.loads(f.read())
+        expected, digest = int(manifest["bytes"]), str(manifest["sha256"])
+    except FileNotFoundError:
+        raise CheckpointError("no manifest (the write was interrupted, or it predates manifests)", path) from None
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"unreadable manifest ({err})", manifest_path(path)) from None
+    try:
+        with open(path, "rb") as f:
+            payload = f.read()
+    except OSError as err:
+        raise CheckpointError(f"cannot read the payload ({err.strerror})", path) from None
+    if len(payload) != expected:
+        raise CheckpointError(f"truncated: {len(payload)} bytes, the manifest says {expected}", path)
+    if hashlib.sha256(payload).hexdigest() != digest:
+        raise CheckpointError("corrupt: the payload's sha256 differs from its manifest", path)
+    try:
+        # weights_only: a checkpoint holds tensors and plain containers; nothing is unpickled beyond that
+        return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as err:  # a payload that verifies but does not load: name the file
+        raise CheckpointError(f"does not load ({type(err).__name__}: {err})", path) from None
 
 
 def load_model_weights(model: torch.nn.Module, state: dict) -> None:

@@ -30,6 +30,14 @@ class NonFiniteError(DeepRecError):
     """A loss or gradient that is inf or nan (training stops before applying it)."""
 
 
+class CheckpointError(DeepRecError):
+    """A checkpoint that is incomplete, truncated or corrupt; ``path`` names the file."""
+
+    def __init__(self, message: str, path: str):
+        super().__init__(f"checkpoint {path}: {message}")
+        self.path, self.reason = path, message
+
+
 class ConfigError(DeepRecError, ValueError):
     """An option with a value outside its allowed set or range."""
 

@@ -26,10 +26,12 @@ from deeprec.distributed.client import DENSE_MODES, PROTOCOLS
 from deeprec.models.features import EMBEDDINGS
 from deeprec.optim import OPTIMIZERS
 from deeprec.options import build, option
-from deeprec.checkpoint import (checkpoint_step, latest_checkpoint, list_checkpoints, load_checkpoint,
+from rich.markup import escape
+
+from deeprec.checkpoint import (checkpoint_step, list_checkpoints, load_checkpoint, remove_stale_temporaries,
                                 save_checkpoint)
 from deeprec.data import open_reader, resolve_schema, schema_to_dict
-from deeprec.errors import ConfigError, NonFiniteError
+from deeprec.errors import CheckpointError, ConfigError, NonFiniteError
 from deeprec.models import MODELS, build_model
 from deeprec.nn import incremental_state_dict
 from deeprec.runtime import optimize
@@ -210,6 +212,8 @@ class Trainer:
         self.train_reader, self.eval_reader = make_readers(cfg, self.schema, drop_remainder=batch_norm)
         self._reader_state = self.train_reader.state_dict()  # position of the last batch trained on
         self.skipped_nonfinite = 0
+        if cfg.checkpoint_dir:
+            remove_stale_temporaries(self.updater.checkpoint_dir(cfg.checkpoint_dir))
         if cfg.resume:
             self._restore()
 
@@ -230,17 +234,34 @@ class Trainer:
         return save_checkpoint(self.updater.checkpoint_dir(self.cfg.checkpoint_dir), self.step, self.state())
 
     def _restore(self) -> None:
-        """The latest full checkpoint, then the incremental ones after it, in order."""
+        """The newest intact full checkpoint, then the intact incremental ones after it, in
+        order; a corrupt or incomplete one is skipped with a warning naming it."""
         directory = self.updater.checkpoint_dir(self.cfg.checkpoint_dir)
-        full = latest_checkpoint(directory)
-        base = checkpoint_step(full) if full else -1
-        chain = ([full] if full else []) + [p for p in list_checkpoints(directory, "incremental")
-                                             if checkpoint_step(p) > base]
-        if not chain:
+        fulls, skipped, base, states = list_checkpoints(directory), [], None, []
+        for path in reversed(fulls):
+            try:
+                states, base = [(path, load_checkpoint(path))], checkpoint_step(path)
+                break
+            except CheckpointError as err:
+                skipped.append(err)
+        if fulls and base is None:
+            raise CheckpointError(f"no intact full checkpoint: {'; '.join(map(str, skipped))}", directory)
+        for path in list_checkpoints(directory, "incremental"):
+            if base is not None and checkpoint_step(path) <= base:
+                continue
+            try:
+                states.append((path, load_checkpoint(path)))
+            except CheckpointError as err:  # the later ones build on this one: stop here
+                skipped.append(err)
+                break
+        for err in skipped:
+            self.console.print(f"[yellow]warning:[/yellow] skipped {escape(str(err))}", highlight=False)
+            log.warning("resume skipped %s", err)
+        if not states:
             self.console.print(f"no checkpoint in {directory}: starting from step 0")
             return
-        for path in chain:
-            state = load_checkpoint(path)
+        chain = [path for path, _ in states]
+        for path, state in states:
             if state["model_name"] != self.cfg.model:
                 raise ConfigError(f"{path} holds a {state['model_name']!r} model, not {self.cfg.model!r}")
             self.updater.load_state_dict(state)

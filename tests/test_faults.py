@@ -1,16 +1,23 @@
 """Reproductions of the faults found by trying deeprec as a new user and by a fault probe
 (issue 14): each failed before its fix."""
+import io
+import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 
+from rich.console import Console
+
+from deeprec.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from deeprec.cli import sample_path
 from deeprec.data import open_reader
-from deeprec.errors import DataError, NonFiniteError
+from deeprec.errors import CheckpointError, DataError, NonFiniteError
 from deeprec.trainer import TrainConfig, Trainer
 
 
@@ -146,3 +153,104 @@ def test_the_ps_refuses_nonfinite_pushes(tmp_path):
     finally:
         proc.kill()
         proc.wait(10)
+
+
+# -- checkpoints ---------------------------------------------------------------------------
+def _tiny_cfg(data, ckpt, **kw):
+    base = dict(model="dlrm", data=[data], batch_size=256, shuffle_buffer=1000, seed=4, checkpoint_dir=str(ckpt),
+                progress=False, model_overrides={"hash_buckets": 1000, "bottom_mlp": (32, 16), "top_mlp": (32,)})
+    return TrainConfig.create(**{**base, **kw})
+
+
+def _model_tensors(state: dict) -> dict:
+    return {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+
+
+def test_flipped_bytes_are_refused_naming_the_file(tmp_path):
+    path = save_checkpoint(str(tmp_path), 7, {"w": torch.randn(4096), "step": 7})
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2: len(data) // 2 + 1024] = bytes(b ^ 0xFF for b in data[len(data) // 2: len(data) // 2 + 1024])
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match=r"checkpoint-000000007.pt: corrupt: the payload's sha256"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "empty", "no manifest"])
+def test_resume_falls_back_to_the_newest_intact_checkpoint(tmp_path, unique_tsv, damage):
+    Trainer(_tiny_cfg(unique_tsv, tmp_path, steps=6, checkpoint_every=3)).train()
+    latest = tmp_path / "checkpoint-000000006.pt"
+    if damage == "no manifest":  # killed between the payload's rename and the manifest's
+        os.unlink(tmp_path / "checkpoint-000000006.manifest.json")
+    else:
+        latest.write_bytes(latest.read_bytes()[: 0 if damage == "empty" else 1000])
+    with pytest.raises(CheckpointError, match="checkpoint-000000006.pt: "):
+        load_checkpoint(str(latest))
+    console = Console(file=io.StringIO(), width=400)
+    resumed = Trainer(_tiny_cfg(unique_tsv, tmp_path, steps=6, resume=True), console=console)
+    assert resumed.step == 3
+    assert "skipped checkpoint" in console.file.getvalue() and "checkpoint-000000006.pt" in console.file.getvalue()
+    resumed.train()
+    reference = Trainer(_tiny_cfg(unique_tsv, tmp_path / "ref", steps=6))
+    reference.train()
+    assert all(torch.equal(a, b) for a, b in zip(resumed.model.state_dict().values(),
+                                                 reference.model.state_dict().values()) if isinstance(a, torch.Tensor))
+
+
+def test_every_checkpoint_corrupt_is_an_error_not_a_fresh_start(tmp_path, unique_tsv):
+    Trainer(_tiny_cfg(unique_tsv, tmp_path, steps=2)).train()
+    (tmp_path / "checkpoint-000000002.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="no intact full checkpoint"):
+        Trainer(_tiny_cfg(unique_tsv, tmp_path, steps=4, resume=True))
+
+
+def test_stale_temporary_files_are_removed_at_start(tmp_path, unique_tsv):
+    stale = tmp_path / ".checkpoint-abc123.tmp"
+    stale.write_bytes(b"x" * 1000)
+    other = tmp_path / "notes.txt"
+    other.write_text("kept")
+    Trainer(_tiny_cfg(unique_tsv, tmp_path, steps=1))
+    assert not stale.exists() and other.exists()
+
+
+def _latest_step(directory) -> int:
+    found = list_checkpoints(str(directory))
+    return int(os.path.basename(found[-1])[11:20]) if found else -1
+
+
+def test_sigkill_at_random_moments_then_resume_reproduces_the_uninterrupted_run(tmp_path, unique_tsv):
+    # ~10 kills at random moments of a run that checkpoints every step (kills land in writes too);
+    # each resume must succeed, and the run finished by resumes equals the uninterrupted one exactly
+    config = tmp_path / "run.toml"
+    config.write_text('[model_overrides]\nhash_buckets = 1000\nbottom_mlp = [32, 16]\ntop_mlp = [32]\n')
+    steps = 100
+
+    def command(ckpt):
+        return [sys.executable, "-m", "deeprec", "train", "--config", str(config), "--data", unique_tsv,
+                "--batch-size", "256", "--shuffle-buffer", "1000", "--seed", "4", "--steps", str(steps),
+                "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--resume", "--no-progress"]
+
+    rng = np.random.default_rng(0)
+    ckpt, kills = tmp_path / "killed", 0
+    for _ in range(25):  # bounded: ~10 kills, then one resume to the end
+        proc = subprocess.Popen(command(ckpt), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if kills < 10:  # kill at a random moment after this run's first checkpoint
+            start, deadline = _latest_step(ckpt), time.monotonic() + 60
+            while proc.poll() is None and time.monotonic() < deadline and _latest_step(ckpt) <= start:
+                time.sleep(0.01)
+            time.sleep(float(rng.uniform(0.0, 0.3)))
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                kills += 1
+        _, err = proc.communicate(timeout=120)
+        if proc.returncode == 0:
+            break
+        assert proc.returncode == -signal.SIGKILL, err  # a resume failed on what the kill left
+    assert kills == 10 and proc.returncode == 0
+    full = tmp_path / "full"
+    subprocess.run(command(full), check=True, capture_output=True, timeout=120)
+    last = f"checkpoint-{steps:09d}.pt"
+    assert not [n for n in os.listdir(ckpt) if n.endswith(".tmp")]
+    a, b = load_checkpoint(str(ckpt / last)), load_checkpoint(str(full / last))
+    assert a["step"] == b["step"] == steps
+    for name, value in _model_tensors(b).items():
+        assert torch.equal(_model_tensors(a)[name], value), name

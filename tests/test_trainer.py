@@ -65,7 +65,8 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "save", broken_save)
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(str(tmp_path), 2, {"x": torch.zeros(3)})
-    assert os.listdir(tmp_path) == ["checkpoint-000000001.pt"]  # no partial or temp file left
+    # no partial or temp file left
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-000000001.manifest.json", "checkpoint-000000001.pt"]
     assert torch.equal(load_checkpoint(latest_checkpoint(str(tmp_path)))["x"], torch.ones(3))
 
 

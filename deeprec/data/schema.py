@@ -159,7 +159,7 @@ def check_values(schema: Schema, table: pa.Table, reasons: dict) -> object:
     """Rows whose values the model can train on, as a boolean array (None if no column is
     checked); adds "why not" per bad row to `reasons`:
     labels are 0/1 (or any number with positive_at); dense values and weights are finite
-    float32 or missing (a value beyond float32's range, inf or nan would turn the model to nan)."""
+    float32 or missing (a value beyond float32's range reads as inf: it would turn the model to nan)."""
     valid = None
     for c in schema.columns:
         if c.kind not in ("label", "dense", "weight"):
@@ -169,8 +169,8 @@ def check_values(schema: Schema, table: pa.Table, reasons: dict) -> object:
             ok, wanted = pc.fill_null(pc.or_(pc.equal(col, 0.0), pc.equal(col, 1.0)), False), "0 or 1"
         elif c.kind == "label":  # a score: any finite number
             ok, wanted = pc.fill_null(pc.is_finite(col), False), "a finite number"
-        else:  # missing values are filled by the schema's default; present ones must be finite
-            ok, wanted = pc.fill_null(pc.is_finite(col), True), "a finite float32 (|x| < 3.4e38) or empty"
+        else:  # missing (null, or nan as Parquet stores it) is filled by the schema's default; inf is not data
+            ok, wanted = pc.fill_null(pc.invert(pc.is_inf(col)), True), "a finite float32 (|x| < 3.4e38) or missing"
         if not pc.all(ok).as_py():
             values = col.to_numpy(zero_copy_only=False)
             for row in np.flatnonzero(~ok.to_numpy(zero_copy_only=False)):
