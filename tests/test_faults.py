@@ -11,13 +11,15 @@ import time
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from rich.console import Console
 
 from deeprec.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from deeprec.cli import sample_path
-from deeprec.data import open_reader
-from deeprec.errors import CheckpointError, DataError, NonFiniteError
+from deeprec.data import Column, CsvReader, Schema, open_reader
+from deeprec.errors import CheckpointError, ConfigError, DataError, NonFiniteError
 from deeprec.trainer import TrainConfig, Trainer
 
 
@@ -254,3 +256,124 @@ def test_sigkill_at_random_moments_then_resume_reproduces_the_uninterrupted_run(
     assert a["step"] == b["step"] == steps
     for name, value in _model_tensors(b).items():
         assert torch.equal(_model_tensors(a)[name], value), name
+
+
+# -- readers -------------------------------------------------------------------------------
+SMALL = Schema([Column("click", "label"), Column("price", "dense"), Column("uid", "categorical"),
+                Column("shop", "categorical")], delimiter=",", header=True)
+
+
+def _write(path, lines: list[bytes]) -> str:
+    path.write_bytes(b"click,price,uid,shop\n" + b"".join(line + b"\n" for line in lines))
+    return str(path)
+
+
+def _read_all(path, policy, schema=SMALL, batch=4):
+    reader = open_reader([path], batch, schema=schema, on_bad_row=policy)
+    rows = [bytes(u) for b in reader for u in b["uid"].tolist()]
+    return rows, reader.stats.bad_rows
+
+
+def test_non_utf8_bytes_in_a_numeric_column_are_a_bad_row(tmp_path):
+    path = _write(tmp_path / "enc.csv", [b"0,1.5,a,x", b"1,\xff\xfe,b,y", b"0,2,c,z"])
+    with pytest.raises(DataError, match=r"enc.csv:3: column price: .*xff.*xfe. is not a number"):
+        _read_all(path, "raise")
+    assert _read_all(path, "skip") == ([b"a", b"c"], 1)
+
+
+def test_an_unclosed_quote_is_located_and_every_line_it_swallows_counted(tmp_path):
+    path = _write(tmp_path / "quote.csv", [b"0,1,a,x", b'1,2,"b,y', b"0,3,c,z", b"1,4,d,w"])
+    with pytest.raises(DataError, match=r"quote.csv:3: unbalanced quote: 3 lines"):
+        _read_all(path, "raise")
+    assert _read_all(path, "skip") == ([b"a"], 3)
+
+
+def test_a_tsv_field_starting_with_a_quote_is_data(tmp_path):
+    schema = Schema([Column("click", "label"), Column("price", "dense"), Column("uid", "categorical"),
+                     Column("shop", "categorical")], delimiter="\t", header=False)
+    path = tmp_path / "q.tsv"
+    path.write_bytes(b'0\t1\ta\t"x\n1\t2\tb\ty\n')
+    rows, bad = _read_all(str(path), "raise", schema)
+    assert rows == [b"a", b"b"] and bad == 0
+
+
+def test_a_quoted_delimiter_does_not_shift_the_reported_line(tmp_path):
+    lines = [b"0,1,a,x"] * 4 + [b'1,2,"b,with comma",y', b"0,3,c,z", b"0,oops,d,w", b"1,4,e,v"]
+    path = _write(tmp_path / "shift.csv", lines)
+    with pytest.raises(DataError, match=r"shift.csv:8: column price: 'oops'"):  # line 8 (header is line 1)
+        _read_all(path, "raise")
+
+
+def _parquet(tmp_path, price) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n = len(price)
+    path = str(tmp_path / "p.parquet")
+    pq.write_table(pa.table({"click": [0.0] * n, "price": price, "uid": [f"u{i}" for i in range(n)],
+                             "shop": ["s"] * n}), path, row_group_size=4)
+    return path
+
+
+def test_a_non_number_in_a_parquet_text_column_is_one_bad_row(tmp_path):
+    path = _parquet(tmp_path, ["1", "2", "x", "4", "5", ""])
+    with pytest.raises(DataError, match=r"p.parquet:row group 0:row 2: column price: 'x' is not a number"):
+        _read_all(path, "raise")
+    rows, bad = _read_all(path, "skip")
+    assert rows == [b"u0", b"u1", b"u3", b"u4", b"u5"] and bad == 1
+
+
+def test_a_corrupt_parquet_page_names_the_file_and_row_group(tmp_path):
+    path = _parquet(tmp_path, [float(i) for i in range(12)])
+    data = bytearray(open(path, "rb").read())
+    at = data.find(b"u4")  # inside row group 1's pages
+    data[at - 40: at + 8] = bytes(48)
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(DataError, match=r"p.parquet:row group 1:row 0: cannot decode the rest of row group 1"):
+        _read_all(path, "raise")
+    rows, bad = _read_all(path, "skip")
+    assert rows == [b"u0", b"u1", b"u2", b"u3", b"u8", b"u9", b"u10", b"u11"] and bad == 4
+
+
+def test_an_empty_directory_is_named(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"directory '.*empty' holds no data files"):
+        open_reader([str(tmp_path / "empty")], 8)
+
+
+FAULTS = {  # kind -> (make the row's bytes from its id, is the row valid?)
+    "good": (lambda i: b"%d,%d.5,id%d,s" % (i % 2, i, i), True),
+    "quoted": (lambda i: b'%d,%d,id%d,"s, with comma"' % (i % 2, i, i), True),
+    "empty_value": (lambda i: b"1,,id%d,s" % i, True),
+    "width": (lambda i: b"1,2,id%d" % i, False),
+    "number": (lambda i: b"1,abc,id%d,s" % i, False),
+    "encoding": (lambda i: b"1,\xc3\x28,id%d,s" % i, False),
+    "inf": (lambda i: b"0,1e39,id%d,s" % i, False),
+    "label": (lambda i: b"7,1,id%d,s" % i, False),
+}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kinds=st.lists(st.sampled_from(sorted(FAULTS)), min_size=1, max_size=40),
+       chunk=st.sampled_from([64, 256, 1 << 20]), blank_every=st.integers(0, 5))
+def test_fuzz_every_valid_row_once_every_bad_row_counted_or_raised(tmp_path, kinds, chunk, blank_every):
+    lines = []
+    for i, kind in enumerate(kinds):
+        lines.append(FAULTS[kind][0](i))
+        if blank_every and i % blank_every == 0:
+            lines.append(b"")  # empty lines are no rows, good or bad
+    path = _write(tmp_path / "fuzz.csv", lines)
+    valid = [b"id%d" % i for i, kind in enumerate(kinds) if FAULTS[kind][1]]
+    bad = len(kinds) - len(valid)
+    if not valid:
+        with pytest.raises(DataError):
+            _read_all(path, "skip")
+        return
+    reader = CsvReader(path, SMALL, 3, on_bad_row="skip", chunk_bytes=chunk)
+    assert sorted(bytes(u) for b in reader for u in b["uid"].tolist()) == sorted(valid)
+    assert reader.stats.bad_rows == bad
+    if bad:
+        first = next(i for i, kind in enumerate(kinds) if not FAULTS[kind][1])
+        line = 2 + first + (sum(1 for j in range(first) if blank_every and j % blank_every == 0) if blank_every else 0)
+        with pytest.raises(DataError, match=rf"fuzz.csv:{line}: "):
+            list(CsvReader(path, SMALL, 3, chunk_bytes=chunk))

@@ -165,7 +165,7 @@ def test_parquet_errors(tmp_path):
             **{f"C{i}": ["a", "b", "c"] for i in range(1, 27)}}
     path = str(tmp_path / "bad.parquet")
     pq.write_table(pa.table(cols), path)
-    with pytest.raises(DataError, match=r"bad.parquet:3: label must be 0 or 1"):
+    with pytest.raises(DataError, match=r"bad.parquet:row group 0:row 2: label must be 0 or 1"):
         collect(ParquetReader(path, 2))
     reader = ParquetReader(path, 2, on_bad_row="skip")
     assert sum(len(b["label"]) for b in reader) == 2 and reader.stats.bad_rows == 1

@@ -10,6 +10,7 @@ that is not 0/1) is raised as DataError with file:line, or skipped and counted
 """
 from __future__ import annotations
 
+import csv
 import io
 import os
 import re
@@ -22,12 +23,10 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
 from deeprec.data.reader import BatchReader, resolve_paths
-from deeprec.data.schema import Schema, check_values
+from deeprec.data.schema import Schema, check_values, parse_numbers
 from deeprec.errors import DataError
 
 CHUNK_BYTES = 4 << 20
-_NUMBER = r"^\s*[-+]?((\d+\.?\d*)|(\.\d+))([eE][-+]?\d+)?\s*$|^\s*[-+]?(nan|NaN|inf|Inf|infinity|Infinity)\s*$"
-_INTEGER = r"^\s*[-+]?\d+\s*$"
 
 
 @dataclass(frozen=True)
@@ -159,10 +158,10 @@ class CsvReader(BatchReader):
     # -- parsing ---------------------------------------------------------------
     def _parse_chunk(self, path: str, layout: FileLayout, offset: int, chunk: bytes) -> pa.Table:
         schema = self.schema
-        wrong_width: list[int] = []  # field counts of rows pyarrow rejected, in order
+        wrong_width: list[tuple[int, int]] = []  # (field count, physical lines) of rows pyarrow rejected
 
         def on_invalid(row):
-            wrong_width.append(row.actual_columns)
+            wrong_width.append((row.actual_columns, row.text.count("\n") + 1))
             return "skip"
 
         def read(types):
@@ -171,26 +170,30 @@ class CsvReader(BatchReader):
                 io.BytesIO(chunk),
                 read_options=pacsv.ReadOptions(column_names=list(layout.names), use_threads=False,
                                                block_size=len(chunk) + 1),
-                parse_options=pacsv.ParseOptions(delimiter=layout.delimiter, invalid_row_handler=on_invalid),
+                parse_options=pacsv.ParseOptions(delimiter=layout.delimiter, invalid_row_handler=on_invalid,
+                                                 quote_char=_quote_char(layout)),
                 convert_options=pacsv.ConvertOptions(column_types=types, include_columns=list(schema.names),
                                                      strings_can_be_null=False, quoted_strings_can_be_null=False),
             )
 
+        locator = _Locator(path, layout, offset, chunk)
         try:
             table = read(schema.arrow_types(strict=True))
             bad, valid = [], None
-        except pa.ArrowInvalid:  # a non-number somewhere: validate value by value
-            table, bad, valid = _validate_numbers(read(schema.arrow_types(strict=False)), schema)
-        locator = _Locator(path, layout, offset, chunk)
-        problems = [(lambda k=k: locator.bad_width_line(k), f"expected {len(layout.names)} fields, found {w}")
-                    for k, w in enumerate(wrong_width)]
+        except pa.ArrowInvalid:  # a non-number (or non-UTF-8 bytes) somewhere: validate value by value
+            try:
+                table, bad, valid = _validate_numbers(read(schema.arrow_types(strict=False)), schema)
+            except pa.ArrowInvalid as err:  # what even a bytes read refuses: the chunk, located
+                raise DataError(f"cannot parse ({err})", path, locator.first_line()) from None
+        problems = [(lambda k=k: locator.bad_width_line(k), _width_reason(len(layout.names), w, lines), lines)
+                    for k, (w, lines) in enumerate(wrong_width)]
         reasons = dict(bad)
         label_ok = check_values(schema, table, reasons)
         if label_ok is not None:
             valid = label_ok if valid is None else pc.and_(valid, label_ok)
         if valid is not None and not pc.all(valid).as_py():
             for row in np.flatnonzero(~valid.to_numpy(zero_copy_only=False)):
-                problems.append((lambda row=int(row): locator.data_row_line(row), reasons[int(row)]))
+                problems.append((lambda row=int(row): locator.data_row_line(row), reasons[int(row)], 1))
             table = table.filter(valid)
         if problems:
             self._report(path, problems)
@@ -202,45 +205,60 @@ def _validate_numbers(table: pa.Table, schema: Schema):
     valid = None
     bad: list[tuple[int, str]] = []
     for column in schema.numeric_columns():
-        name = column.name
-        integer = column.kind == "categorical"
-        col = table.column(name)
-        empty = pc.equal(col, "")
-        ok = pc.or_(empty, pc.match_substring_regex(col, _INTEGER if integer else _NUMBER))
-        if not pc.all(ok).as_py():
-            values = col.to_pylist()
-            kind = "an integer" if integer else "a number"
-            for row in np.flatnonzero(~ok.to_numpy(zero_copy_only=False)):
-                bad.append((int(row), f"column {name}: {values[row]!r} is not {kind}"))
-        clean = pc.if_else(pc.and_(ok, pc.invert(empty)), col, pa.scalar(None, pa.string()))
-        typed = pc.cast(pc.utf8_trim_whitespace(clean), pa.int64() if integer else pa.float32())
-        table = table.set_column(table.schema.get_field_index(name), name, typed)
+        typed, ok, reasons = parse_numbers(table.column(column.name), column)
+        bad += reasons
+        table = table.set_column(table.schema.get_field_index(column.name), column.name, typed)
         valid = ok if valid is None else pc.and_(valid, ok)
     bad.sort()
     return table, bad, valid
 
 
+def _quote_char(layout: FileLayout):
+    """TSV has no quoting (Criteo's fields may start with a lone '"'); CSV quotes with '"'."""
+    return False if layout.delimiter == "\t" else '"'
+
+
+def _width_reason(expected: int, found: int, lines: int) -> str:
+    if lines > 1:  # an opening quote never closed: pyarrow read the following lines into this row
+        return f"unbalanced quote: {lines} lines read as one row of {found} fields (all {lines} counted bad)"
+    return f"expected {expected} fields, found {found}"
+
+
 class _Locator:
-    """Maps a row of a chunk back to its physical line number (error path only)."""
+    """Maps a row of a chunk back to its physical line number (error path only).
+
+    Records are split as pyarrow splits them (csv module, same delimiter and quoting),
+    so a quoted field holding the delimiter or a newline does not shift the count."""
 
     def __init__(self, path, layout, offset, chunk):
         self.path, self.layout, self.offset, self.chunk = path, layout, offset, chunk
         self._rows = None
 
+    def first_line(self) -> int:
+        return count_lines_before(self.path, self.offset) + 1
+
     def _classify(self):
         if self._rows is None:
-            base = count_lines_before(self.path, self.offset) + 1
+            base = self.first_line()
             width = len(self.layout.names)
             good, wrong = [], []
-            for i, line in enumerate(self.chunk.split(b"\n")):
-                if not line.strip(b"\r"):
+            quote = _quote_char(self.layout)
+            lines = io.StringIO(self.chunk.decode("latin-1"), newline="")  # one char per byte: lines kept
+            reader = csv.reader(lines, delimiter=self.layout.delimiter, quotechar=quote or None,
+                                quoting=csv.QUOTE_MINIMAL if quote else csv.QUOTE_NONE)
+            start = 0  # physical lines consumed before this record
+            for record in reader:
+                first, start = base + start, reader.line_num
+                if record in ([], [""]) or (len(record) == 1 and not record[0].strip("\r")):
                     continue  # pyarrow skips empty lines
-                (good if len(line.split(self.layout.delimiter.encode())) == width else wrong).append(base + i)
+                (good if len(record) == width else wrong).append(first)
             self._rows = (good, wrong)
         return self._rows
 
     def data_row_line(self, row: int):
-        return self._classify()[0][row]
+        good = self._classify()[0]
+        return good[row] if row < len(good) else None
 
     def bad_width_line(self, k: int):
-        return self._classify()[1][k]
+        wrong = self._classify()[1]
+        return wrong[k] if k < len(wrong) else None

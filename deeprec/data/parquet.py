@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from deeprec.data.criteo import CRITEO_SCHEMA
 from deeprec.data.reader import BatchReader, resolve_paths
-from deeprec.data.schema import Schema, check_values
+from deeprec.data.schema import Schema, check_values, parse_numbers
 from deeprec.errors import DataError
 from deeprec.ragged import Ragged
 
@@ -49,26 +49,39 @@ class ParquetReader(BatchReader):
 
     def _read_unit(self, unit) -> Iterator[pa.Table]:
         path, group = unit
-        first_row = int(self._row_groups[path][group])
-        reader = pq.ParquetFile(path)
-        batches = reader.iter_batches(batch_size=READ_ROWS, row_groups=[group],
-                                      columns=list(self.columns.names), use_threads=False)
-        for batch in batches:
-            yield self._conform(path, first_row, pa.Table.from_batches([batch]))
-            first_row += batch.num_rows
+        group_rows = int(self._row_groups[path][group + 1] - self._row_groups[path][group])
+        done = 0
+        try:
+            reader = pq.ParquetFile(path)
+            batches = reader.iter_batches(batch_size=READ_ROWS, row_groups=[group],
+                                          columns=list(self.columns.names), use_threads=False)
+            for batch in batches:
+                table = pa.Table.from_batches([batch])
+                done += batch.num_rows
+                yield self._conform(path, group, done - batch.num_rows, table)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as err:  # a corrupt page or file
+            lost = group_rows - done  # the rest of the row group cannot be decoded: each row is bad
+            self._report(path, [(lambda: _where(group, done), f"cannot decode the rest of row group {group} "
+                                 f"({lost} rows): {err}", lost)])
 
-    def _conform(self, path: str, first_row: int, table: pa.Table) -> pa.Table:
-        schema, columns = self.columns, {}
+    def _conform(self, path: str, group: int, first_row: int, table: pa.Table) -> pa.Table:
+        """The schema's types; a value that does not fit is a bad row (file:row group:row)."""
+        schema, columns, reasons, valid = self.columns, {}, {}, None
         for c in schema.columns:
             if c.kind == "ignore":
                 continue
             col = table.column(c.name)
+            text = pa.types.is_string(col.type) or pa.types.is_binary(col.type) or pa.types.is_large_string(col.type)
+            numeric = c.kind in ("label", "dense", "weight") or (c.kind == "categorical" and c.dtype == "int")
             try:
-                if c.kind in ("label", "dense", "weight"):
-                    col = pc.cast(col, pa.float32())
-                elif c.kind == "categorical" and c.dtype == "int":
-                    col = pc.cast(col, pa.int64())
-                elif c.kind == "categorical":
+                if numeric and text:  # numbers written as text: value by value, like the CSV reader
+                    col, ok, bad = parse_numbers(col, c)
+                    for row, reason in bad:
+                        reasons.setdefault(row, reason)
+                    valid = ok if valid is None else pc.and_(valid, ok)
+                elif numeric:
+                    col = pc.cast(col, pa.int64() if c.kind == "categorical" else pa.float32())
+                elif c.kind == "categorical":  # sequences are split later (split_sequence)
                     if not (pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type)):
                         col = pc.cast(col, pa.string())
                     col = pc.fill_null(pc.cast(col, pa.binary()), b"")
@@ -77,14 +90,19 @@ class ParquetReader(BatchReader):
                                 f"{c.kind} ({c.dtype}) ({err})", path) from err
             columns[c.name] = col
         table = pa.table(columns)
-        reasons: dict[int, str] = {}
-        valid = check_values(schema, table, reasons)
+        checked = check_values(schema, table, reasons)
+        if checked is not None:
+            valid = checked if valid is None else pc.and_(valid, checked)
         if valid is not None and not pc.all(valid).as_py():
             bad_rows = np.flatnonzero(~valid.to_numpy(zero_copy_only=False))
-            self._report(path, [(lambda r=int(r): first_row + r + 1,
-                                 f"{reasons[int(r)]} (line = 1-based row number in the file)") for r in bad_rows])
+            self._report(path, [(lambda r=int(r): _where(group, first_row + r), reasons[int(r)], 1) for r in bad_rows])
             table = table.filter(valid)
         return table
+
+
+def _where(group: int, row: int) -> str:
+    """A Parquet row's place: row group, then 0-based row within it."""
+    return f"row group {group}:row {row}"
 
 
 def _arrow(value) -> pa.Array:

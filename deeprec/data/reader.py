@@ -96,18 +96,22 @@ class BatchReader(torch.utils.data.IterableDataset):
 
     # -- bad rows -------------------------------------------------------------
     def _report(self, path: str, problems: list) -> None:
-        """Apply the bad-row policy to one chunk's problems: (locate, reason)
-        pairs, where `locate()` finds the line lazily (it may rescan the file),
-        so it runs only when a line is reported."""
+        """Apply the bad-row policy to one chunk's problems: (locate, reason, rows)
+        triples, where `locate()` finds the line lazily (it may rescan the file), so it
+        runs only when a line is reported, and `rows` is how many rows the problem spoils."""
+        def located():
+            return sorted(((locate(), reason) for locate, reason, _ in problems),
+                          key=lambda item: (item[0] is None, item[0] or 0))
+
         if self.on_bad_row == "raise":
-            line, reason = min((locate(), reason) for locate, reason in problems)
+            line, reason = located()[0]
             raise DataError(reason, path, line)
-        self.stats.bad_rows += len(problems)
+        self.stats.bad_rows += sum(rows for _, _, rows in problems)
         room = MAX_LOGGED_BAD_ROWS - len(self.stats.bad_row_examples)
         if room <= 0:
             return
-        for line, reason in sorted((locate(), reason) for locate, reason in problems)[:room]:
-            example = f"{path}:{line}: {reason}"
+        for line, reason in located()[:room]:
+            example = f"{path}:{line if line is not None else '?'}: {reason}"
             self.stats.bad_row_examples.append(example)
             log.warning("skipping bad row %s", example)
         if len(self.stats.bad_row_examples) == MAX_LOGGED_BAD_ROWS:
@@ -238,7 +242,10 @@ def resolve_paths(paths: Sequence[str] | str) -> list[str]:
     out: list[str] = []
     for p in map(str, paths):
         if os.path.isdir(p):
-            out.extend(sorted(os.path.join(p, f) for f in os.listdir(p) if not f.startswith(".")))
+            files = sorted(os.path.join(p, f) for f in os.listdir(p) if not f.startswith("."))
+            if not files:
+                raise ConfigError(f"directory {p!r} holds no data files (names starting with '.' are ignored)")
+            out.extend(files)
         elif any(ch in p for ch in "*?["):
             matched = sorted(glob.glob(p))
             if not matched:

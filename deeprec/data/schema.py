@@ -114,15 +114,15 @@ class Schema:
 
     # -- parsing types ------------------------------------------------------------------
     def arrow_types(self, strict: bool) -> dict:
-        """Column types for pyarrow's CSV reader; strict=False reads numbers as text
-        so each bad value can be found and reported."""
+        """Column types for pyarrow's CSV reader; strict=False reads numbers as bytes
+        (any bytes, UTF-8 or not) so each bad value can be found and reported."""
         types = {}
         for c in self.columns:
             if c.kind == "ignore":
                 continue
             numeric = c.kind in ("label", "dense", "weight") or (c.kind == "categorical" and c.dtype == "int")
             if numeric:
-                types[c.name] = (pa.int64() if c.kind == "categorical" else pa.float32()) if strict else pa.string()
+                types[c.name] = (pa.int64() if c.kind == "categorical" else pa.float32()) if strict else pa.binary()
             else:
                 types[c.name] = pa.binary()
         return types
@@ -153,6 +153,30 @@ class Schema:
             else:
                 batch[c.name] = split_sequence(col, c)
         return batch
+
+
+_NUMBER = r"^\s*[-+]?((\d+\.?\d*)|(\.\d+))([eE][-+]?\d+)?\s*$|^\s*[-+]?(nan|NaN|inf|Inf|infinity|Infinity)\s*$"
+_INTEGER = r"^\s*[-+]?\d+\s*$"
+
+
+def parse_numbers(col, column: "Column"):
+    """Text (string or any bytes) -> the column's number type, value by value:
+    (typed column, ok mask, [(row, reason)] of the values that are not numbers).
+    An empty value is missing (null), not bad."""
+    integer = column.kind == "categorical"
+    col = pc.cast(col, pa.binary())
+    empty = pc.equal(col, b"")
+    ok = pc.fill_null(pc.or_(empty, pc.match_substring_regex(col, _INTEGER if integer else _NUMBER)), True)
+    bad = []
+    if not pc.all(ok).as_py():
+        values = col.to_pylist()
+        kind = "an integer" if integer else "a number"
+        for row in np.flatnonzero(~ok.to_numpy(zero_copy_only=False)):
+            shown = values[row].decode("utf-8", errors="backslashreplace")
+            bad.append((int(row), f"column {column.name}: {shown!r} is not {kind}"))
+    clean = pc.cast(pc.if_else(pc.and_(ok, pc.invert(empty)), col, pa.scalar(None, pa.binary())), pa.string())
+    typed = pc.cast(pc.utf8_trim_whitespace(clean), pa.int64() if integer else pa.float32())
+    return typed, ok, bad
 
 
 def check_values(schema: Schema, table: pa.Table, reasons: dict) -> object:
