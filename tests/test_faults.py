@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from rich.console import Console
 
+import deeprec as dr
 from deeprec.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from deeprec.cli import sample_path
 from deeprec.data import Column, CsvReader, Schema, open_reader
@@ -377,3 +378,63 @@ def test_fuzz_every_valid_row_once_every_bad_row_counted_or_raised(tmp_path, kin
         line = 2 + first + (sum(1 for j in range(first) if blank_every and j % blank_every == 0) if blank_every else 0)
         with pytest.raises(DataError, match=rf"fuzz.csv:{line}: "):
             list(CsvReader(path, SMALL, 3, chunk_bytes=chunk))
+
+
+# -- EmbeddingVariable under concurrency ---------------------------------------------------
+def _evicting_ev():
+    return dr.EmbeddingVariable(8, ev_option=dr.EmbeddingVariableOption(evict_option=dr.GlobalStepEvict(1)))
+
+
+def test_duplicate_keys_in_one_call_share_one_row():
+    ev = _evicting_ev()
+    rows = ev.rows_for(torch.tensor([5, 9, 5, 5, 9]))
+    assert rows[0] == rows[2] == rows[3] and rows[1] == rows[4] and rows[0] != rows[1] and ev.size == 2
+
+
+def test_lookups_from_4_threads_while_exporting_with_eviction_read_what_is_stored():
+    ev = _evicting_ev()
+    expected = ev._defaults  # nothing trains: a key's value is always its initial row
+    errors, reads, stop = [], [0], threading.Event()
+
+    def lookups(seed):
+        g = torch.Generator().manual_seed(seed)
+        try:
+            while not stop.is_set():
+                keys = torch.unique(torch.randint(0, 5000, (256,), generator=g))
+                rows, values, _ = ev.lookup(keys, train=True)  # inserts new keys
+                want = expected[torch.remainder(keys, expected.shape[0])]
+                if not torch.equal(values, want):
+                    errors.append(f"{int((values != want).any(1).sum())} wrong rows")
+                reads[0] += 1
+        except Exception as err:  # reported by the test, not lost in the thread
+            errors.append(repr(err))
+
+    threads = [threading.Thread(target=lookups, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 3.0
+    exports = 0
+    while time.monotonic() < deadline:
+        ev.global_step += 1  # every row not updated for a step is evicted by the next export
+        ev.export()
+        exports += 1
+    stop.set()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors[:3]
+    assert exports > 10 and reads[0] > 10 and ev.generation > 0
+
+
+def test_an_update_held_across_a_compaction_lands_on_the_moved_rows():
+    ev = _evicting_ev()
+    ev.set_optimizer(dr.optim.SGD(lr=1.0))
+    ev.rows_for(torch.tensor([1, 2, 3]))
+    ev.global_step = 5
+    ev.apply_update(ev.optimizer, ev.rows_for(torch.tensor([3])), torch.zeros(1, 8))  # key 3 stays fresh
+    rows, values, generation = ev.lookup(torch.tensor([3, 1]))  # a backward that has not run yet
+    ev.export()  # evicts keys 1 and 2: key 3 moves from row 2 to row 0
+    assert ev.generation == generation + 1 and ev.size == 1
+    ev.apply_update(ev.optimizer, rows, torch.ones(2, 8), generation)
+    after = ev.lookup(torch.tensor([3]), train=False)[1]
+    assert torch.allclose(after, values[:1] - 1.0)  # key 3 got its update; evicted key 1 none
+    assert ev.rows_for(torch.tensor([1]), train=False).item() == -1

@@ -17,6 +17,7 @@ unique rows only (fused), or, with `fused=False`, keeps the gradients until
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ from torch import nn
 from deeprec.errors import ConfigError, check_choice
 from deeprec.nn.lookup import COMBINERS, RowGather, assemble, merge_shared_tables, prepare_bags
 from deeprec.nn.options import EmbeddingVariableOption
-from deeprec.nn.variable import EmbeddingVariable, EVTable
+from deeprec.nn.variable import EmbeddingVariable, Gathered
 from deeprec.optim.sparse import RowSparseOptimizer, merge_rows
 from deeprec.ragged import Ragged
 
@@ -74,7 +75,7 @@ class FusedLookup(nn.Module):
                               "not both: make two collections")
         self.optimizer: RowSparseOptimizer | None = None
         self.fused = True
-        self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor, int | None]] = []  # part, rows, grads, gen
         self._token = torch.zeros(0, requires_grad=True)  # makes autograd call RowGather.backward
         if all(self.dynamic):
             self.variables = nn.ModuleList(EmbeddingVariable(dim, ev_option=f.ev_option, name=f.name)
@@ -102,9 +103,11 @@ class FusedLookup(nn.Module):
     def _slots(self) -> dict:
         return {name[5:]: buf for name, buf in self.named_buffers(recurse=False) if name.startswith("slot_")}
 
-    def _receive(self, part: int, rows: torch.Tensor, grad: torch.Tensor, begin: bool = True) -> None:
+    def _receive(self, part: int, rows: torch.Tensor, grad: torch.Tensor, begin: bool = True,
+                 generation: int | None = None) -> None:
         """`begin`: this gradient is the step's first (a collection of EmbeddingVariables hands
-        one per table to the same backward; the optimizer step begins once)."""
+        one per table to the same backward; the optimizer step begins once). `generation`:
+        an EmbeddingVariable's row numbering the rows belong to (rows may move on a save)."""
         if self.optimizer is None:
             if all(self.dynamic):
                 raise RuntimeError("an EmbeddingCollection of EmbeddingVariables needs a row-sparse optimizer: "
@@ -116,11 +119,12 @@ class FusedLookup(nn.Module):
         if self.fused:
             if begin:
                 self.optimizer.begin_step()
-            self._apply(part, rows, grad)
+            self._apply(part, rows, grad, generation=generation)
         else:
-            self._pending.append((part, rows, grad))
+            self._pending.append((part, rows, grad, generation))
 
-    def _apply(self, part: int, rows: torch.Tensor, grad: torch.Tensor, unique: bool = True) -> None:
+    def _apply(self, part: int, rows: torch.Tensor, grad: torch.Tensor, unique: bool = True,
+               generation: int | None = None) -> None:
         """`unique`: the rows of one lookup are distinct already (per-table unique
         keys in disjoint row ranges); gradients gathered over several backwards are not."""
         if not unique:
@@ -128,7 +132,7 @@ class FusedLookup(nn.Module):
         if all(self.dynamic):
             ev = self.variables[part]
             ev.global_step = self.optimizer.step_count
-            ev.apply_update(self.optimizer, rows, grad)
+            ev.apply_update(self.optimizer, rows, grad, generation)
         else:
             self.optimizer.update(self.weight.data, self._slots(), rows, grad)
             self.optimizer_step.fill_(self.optimizer.step_count)
@@ -150,11 +154,15 @@ class FusedLookup(nn.Module):
         if not self._pending:
             return
         self.optimizer.begin_step()
-        parts = sorted({p for p, _, _ in self._pending})
-        for part in parts:
-            rows = torch.cat([r for p, r, _ in self._pending if p == part])
-            grads = torch.cat([g for p, _, g in self._pending if p == part])
-            self._apply(part, rows, grads, unique=False)
+        for part in sorted({p for p, *_ in self._pending}):
+            mine = [(r, g, gen) for p, r, g, gen in self._pending if p == part]
+            lock = self.variables[part]._lock if all(self.dynamic) else contextlib.nullcontext()
+            with lock:  # rows of several lookups, renumbered to the EV's current generation, then merged
+                current = None if not all(self.dynamic) else self.variables[part].generation
+                rows = torch.cat([r if gen is None else self.variables[part].current_rows(r, gen)
+                                  for r, _, gen in mine])
+                grads = torch.cat([g for _, g, _ in mine])
+                self._apply(part, rows, grads, unique=False, generation=current)
         self._pending.clear()
 
     def zero_grad(self) -> None:
@@ -168,13 +176,14 @@ class FusedLookup(nn.Module):
         if all(self.dynamic):
             gathered, began = [], []  # the first table's gradient of this backward begins the optimizer step
 
-            def sink(r, g, part):
-                self._receive(part, r, g, begin=not began)
+            def sink(r, g, part, generation):
+                self._receive(part, r, g, begin=not began, generation=generation)
                 began.append(part)
 
             for part, (ev, keys, seen) in enumerate(zip(self.variables, uniques, counts)):
-                rows = ev.rows_for(keys, seen, train=self.training)  # frequency counts every occurrence
-                gathered.append(RowGather.apply(self._token, EVTable(ev), rows, functools.partial(sink, part=part)))
+                rows, values, generation = ev.lookup(keys, seen, train=self.training)  # freq counts every occurrence
+                gathered.append(RowGather.apply(self._token, Gathered(values), rows,
+                                                functools.partial(sink, part=part, generation=generation)))
             rows_values = torch.cat(gathered)
         else:
             keys = torch.cat(uniques)

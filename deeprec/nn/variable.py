@@ -8,10 +8,17 @@ Rows live in growable tensors (weight, freq, version, dirty, optimizer slots),
 all indexed by the same row number, so an optimizer's slots share the key index.
 Eviction runs at save time and compacts the rows. A re-entrant lock makes a
 save see every row together with its slots (DeepRec issue 1023).
+
+Row numbers held across a compaction (a lookup's rows waiting for their gradient
+in backward, while another thread saves) are not trusted: each compaction starts
+a new `generation` and keeps the old -> new row map, and an update translates its
+rows to the current generation (rows of evicted keys get no update). A lookup
+finds its rows and reads their values under one lock hold (`lookup`).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import numpy as np
@@ -59,14 +66,17 @@ class KeyIndex:
         return int(self._table.sizeof())
 
 
-class EVTable:
-    """Adapter so RowGather can `index_select` an EmbeddingVariable (defaults for rows < 0)."""
+class Gathered:
+    """Adapter so RowGather can `index_select` rows already read (`EmbeddingVariable.lookup`)."""
 
-    def __init__(self, ev: "EmbeddingVariable"):
-        self.ev = ev
+    def __init__(self, values: torch.Tensor):
+        self.values = values
 
     def index_select(self, dim: int, rows: torch.Tensor) -> torch.Tensor:
-        return self.ev.gather(rows)
+        return self.values
+
+
+MAX_GENERATIONS = 8  # row maps kept: an update older than this many compactions is dropped
 
 
 def _mix64(x: np.ndarray, salt: int) -> np.ndarray:
@@ -101,6 +111,8 @@ class EmbeddingVariable(nn.Module):
         self.global_step = 0
         self.optimizer = None  # row-sparse optimizer of ev(ids)'s backward (set_optimizer)
         self._token = torch.zeros(0, requires_grad=True)  # makes autograd call RowGather.backward
+        self.generation = 0  # bumped by every compaction or full load (rows renumbered)
+        self._row_maps: dict[int, torch.Tensor | None] = {}  # generation g -> row map into g + 1
         self._reset(initial_capacity)
 
     # -- copies (copy.deepcopy, pickle): the lock and the hash indexes are rebuilt ---------
@@ -137,21 +149,27 @@ class EmbeddingVariable(nn.Module):
         ids = torch.as_tensor(ids)
         keys, inverse, counts = torch.unique(ids.reshape(-1).to(torch.int64), return_inverse=True,
                                              return_counts=True)
-        rows = self.rows_for(keys, counts, train=self.training)
+        rows, values, generation = self.lookup(keys, counts, train=self.training)
         if self.training and torch.is_grad_enabled():
-            values = RowGather.apply(self._token, EVTable(self), rows, self._receive)
-        else:
-            values = self.gather(rows)
+            values = RowGather.apply(self._token, Gathered(values), rows,
+                                     functools.partial(self._receive, generation=generation))
         return values[inverse].reshape(*ids.shape, self.embedding_dim)
 
-    def _receive(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
+    def lookup(self, keys: torch.Tensor, counts: torch.Tensor | None = None, train: bool = True):
+        """(rows, their values, generation) of `keys`, found and read under one lock hold, so
+        a concurrent save's compaction cannot move the rows in between."""
+        with self._lock:
+            rows = self.rows_for(keys, counts, train=train)
+            return rows, self.gather(rows), self.generation
+
+    def _receive(self, rows: torch.Tensor, grad: torch.Tensor, generation: int | None = None) -> None:
         if self.optimizer is None:
             named = f" {self.name!r}" if self.name else ""
             raise RuntimeError(f"EmbeddingVariable{named} got a gradient but has no row-sparse optimizer: "
                                "ev.set_optimizer(deeprec.optim.Adagrad(lr=...)) or deeprec.optim.make_optimizer(model)")
         self.optimizer.begin_step()
         self.global_step = self.optimizer.step_count
-        self.apply_update(self.optimizer, rows, grad)
+        self.apply_update(self.optimizer, rows, grad, generation)
 
     # -- storage ------------------------------------------------------------------------
     def _reset(self, capacity: int) -> None:
@@ -291,11 +309,30 @@ class EmbeddingVariable(nn.Module):
             out[missing] = self._no_permission
         return out
 
-    def apply_update(self, optimizer, rows: torch.Tensor, grad: torch.Tensor) -> None:
-        """Row-sparse update of admitted rows; keys not admitted receive none."""
-        keep = rows >= 0
-        rows, grad = rows[keep], grad[keep]
+    def current_rows(self, rows: torch.Tensor, generation: int | None) -> torch.Tensor:
+        """Rows of generation `generation` renumbered into the current one (-1: evicted since,
+        or too many compactions ago to tell). Call under the lock."""
+        if generation is None or generation == self.generation:
+            return rows
+        for g in range(generation, self.generation):
+            row_map = self._row_maps.get(g)
+            if row_map is None:  # a full load, or a map no longer kept: the rows mean nothing now
+                return torch.full_like(rows, -1)
+            rows = torch.where(rows >= 0, row_map[rows.clamp_min(0)], rows)
+        return rows
+
+    def _new_generation(self, row_map: torch.Tensor | None) -> None:
+        self._row_maps[self.generation] = row_map
+        self._row_maps.pop(self.generation - MAX_GENERATIONS, None)
+        self.generation += 1
+
+    def apply_update(self, optimizer, rows: torch.Tensor, grad: torch.Tensor, generation: int | None = None) -> None:
+        """Row-sparse update of admitted rows (of `generation`, renumbered if rows moved since);
+        keys not admitted, or evicted since the lookup, receive none."""
         with self._lock:
+            rows = self.current_rows(rows, generation)
+            keep = rows >= 0
+            rows, grad = rows[keep], grad[keep]
             optimizer.update(self.weight, self.slots, rows, grad)
             self.version[rows] = self.global_step
             self.dirty[rows] = True
@@ -316,7 +353,10 @@ class EmbeddingVariable(nn.Module):
                 raise ConfigError(f"unknown evict_option {policy!r}")
             dropped = int((~keep).sum())
             if dropped:
-                self._load_rows(self._rows_state(torch.nonzero(keep).squeeze(1)))
+                kept = torch.nonzero(keep).squeeze(1)
+                row_map = torch.full((self.size,), -1, dtype=torch.int64)
+                row_map[kept] = torch.arange(kept.numel())  # _load_rows inserts the kept keys in order
+                self._load_rows(self._rows_state(kept), row_map=row_map)
             return dropped
 
     def _rows_state(self, rows: torch.Tensor) -> dict:
@@ -340,12 +380,13 @@ class EmbeddingVariable(nn.Module):
                 self.dirty[: self.size] = False
             return state
 
-    def _load_rows(self, state: dict, merge: bool = False) -> None:
+    def _load_rows(self, state: dict, merge: bool = False, row_map: torch.Tensor | None = None) -> None:
         keys = state["keys"].to(torch.int64)
         mine = shard_of(keys, self.num_shards) == self.shard_index
         pick = {k: v[mine] for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
-        if not merge:
+        if not merge:  # rows are renumbered: held rows translate through row_map (or go stale)
             self._reset(max(16, 2 * int(mine.sum())))  # keeps the declared slots, at their initial values
+            self._new_generation(row_map)
         keys = pick["keys"]
         rows = torch.from_numpy(self._index.lookup(keys.numpy()))
         new = rows < 0
