@@ -149,7 +149,7 @@ def cmd_evaluate(args, console: Console) -> int:
     from deeprec.checkpoint import latest_checkpoint, load_checkpoint, load_model_weights
     from deeprec.data import open_reader
     from deeprec.models import build_model
-    from deeprec.trainer import evaluate
+    from deeprec.metrics import evaluate
 
     path = args.checkpoint if os.path.isfile(args.checkpoint) else latest_checkpoint(args.checkpoint)
     if path is None:

@@ -14,11 +14,9 @@ import math
 import time
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from sklearn.metrics import log_loss, roc_auc_score
 from torch.profiler import record_function
 
 from deeprec.config import Config, SmartStageOptions
@@ -32,6 +30,7 @@ from deeprec.checkpoint import (checkpoint_step, list_checkpoints, load_checkpoi
                                 save_checkpoint)
 from deeprec.data import open_reader, resolve_schema, schema_to_dict
 from deeprec.errors import CheckpointError, ConfigError, NonFiniteError
+from deeprec.metrics import evaluate
 from deeprec.models import MODELS, build_model
 from deeprec.nn import incremental_state_dict
 from deeprec.runtime import optimize
@@ -57,6 +56,7 @@ class TrainConfig:
     epochs: int | None = option(None, "passes over the data when --steps is not given (default 1)")
     batch_size: int = option(512, "rows per training batch")
     eval_batch_size: int = option(4096, "rows per evaluation batch")
+    eval_every: int = option(0, "steps between evaluations during training (0: only at the end)")
     lr: float = option(0.001, "learning rate")
     optimizer: str = option("adam", "optimizer of every parameter (DeepRec modelzoo default: adam)",
                             choices=OPTIMIZERS)
@@ -150,38 +150,6 @@ def make_readers(cfg: TrainConfig, schema=None, drop_remainder: bool = False):
     return open_reader(cfg.data, cfg.batch_size, **train_kw), None
 
 
-def _metrics(y: np.ndarray, logits: np.ndarray) -> dict:
-    p = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
-    auc = roc_auc_score(y, p) if 0 < y.sum() < len(y) else float("nan")  # undefined for one class
-    return {"auc": float(auc), "logloss": float(log_loss(y, p, labels=[0, 1]))}
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, reader) -> dict:
-    """AUC and log loss (scikit-learn) of the model's predictions over one pass;
-    a multi-task model (logits [B, T]) gets them per task under "tasks", the first
-    task's at the top level."""
-    names = tuple(getattr(model, "label_columns", ("label",)))
-    was_training = model.training
-    model.eval()
-    labels, logits = [], []
-    try:
-        for batch in reader:
-            labels.append(np.stack([batch[n].numpy() for n in names], axis=1))
-            out = model(batch)["logits"].float()
-            logits.append((out if out.dim() == 2 else out.unsqueeze(1)).numpy())
-    finally:
-        model.train(was_training)
-    if not labels:
-        return {"rows": 0, "auc": float("nan"), "logloss": float("nan")}
-    y, z = np.concatenate(labels), np.concatenate(logits)
-    tasks = {name: _metrics(y[:, k], z[:, k]) for k, name in enumerate(names)}
-    result = {"rows": int(len(y)), **tasks[names[0]]}
-    if len(names) > 1:
-        result["tasks"] = tasks
-    return result
-
-
 class Trainer:
     """Builds the model over the data's schema, its updater (local or parameter servers),
     and `deeprec.optimize`'s passes; `train()` runs the loop.
@@ -212,6 +180,8 @@ class Trainer:
         self.train_reader, self.eval_reader = make_readers(cfg, self.schema, drop_remainder=batch_norm)
         self._reader_state = self.train_reader.state_dict()  # position of the last batch trained on
         self.skipped_nonfinite = 0
+        self.eval_history: list[dict] = []  # --eval-every
+        self._eval_start = self.eval_reader.state_dict() if self.eval_reader is not None else None
         if cfg.checkpoint_dir:
             remove_stale_temporaries(self.updater.checkpoint_dir(cfg.checkpoint_dir))
         if cfg.resume:
@@ -272,6 +242,17 @@ class Trainer:
         self.console.print(f"resumed from {', '.join(map(os.path.basename, chain))} at step {self.step}")
 
     # -- loop ------------------------------------------------------------------------
+    def _evaluate_now(self, progress) -> None:
+        """--eval-every: one pass over the evaluation data from its start, in bounded memory."""
+        if not self.cfg.is_chief:
+            return
+        self.updater.prepare_eval()
+        self.eval_reader.load_state_dict(self._eval_start)
+        metrics = evaluate(self.model, self.eval_reader)
+        self.eval_history.append({"step": self.step, **metrics})
+        progress.console.print(f"step {self.step} eval auc {metrics['auc']:.4f} logloss {metrics['logloss']:.4f} "
+                               f"({metrics['rows']} rows)")
+
     def _nonfinite(self, what: str) -> None:
         """A step that was not applied (its loss or dense gradient is inf or nan)."""
         position = self._reader_state
@@ -316,6 +297,8 @@ class Trainer:
                     self.save()
                 elif cfg.checkpoint_dir and cfg.incremental_every and self.step % cfg.incremental_every == 0:
                     self.save(incremental=True)
+                if cfg.eval_every and self.step % cfg.eval_every == 0 and self.eval_reader is not None:
+                    self._evaluate_now(progress)
         self.updater.finish()
         elapsed = time.perf_counter() - started
         if cfg.checkpoint_dir and self.step > start_step:
@@ -336,8 +319,11 @@ class Trainer:
         if self.fast.auto_decision is not None:
             result["auto"] = self.fast.auto_decision.summary()
             result["auto_executor"] = self.fast.auto_decision.executor
+        if self.eval_history:
+            result["eval_history"] = self.eval_history
         if self.eval_reader is not None and cfg.is_chief:
             self.updater.prepare_eval()
+            self.eval_reader.load_state_dict(self._eval_start)
             result["eval"] = evaluate(self.model, self.eval_reader)
         return result
 

@@ -438,3 +438,33 @@ def test_an_update_held_across_a_compaction_lands_on_the_moved_rows():
     after = ev.lookup(torch.tensor([3]), train=False)[1]
     assert torch.allclose(after, values[:1] - 1.0)  # key 3 got its update; evicted key 1 none
     assert ev.rows_for(torch.tensor([1]), train=False).item() == -1
+
+
+# -- evaluation in bounded memory ----------------------------------------------------------
+def test_streaming_auc_is_within_its_stated_bound_and_logloss_exact():
+    from sklearn.metrics import log_loss, roc_auc_score
+
+    from deeprec.metrics import StreamingMetrics
+
+    rng = np.random.default_rng(3)
+    metrics, ys, zs = StreamingMetrics(), [], []
+    for _ in range(20):  # batches, as evaluation sees them
+        z = rng.normal(-3.0, 1.5, 10_000)  # CTR-like predictions, p around 0.05
+        y = (rng.random(10_000) < 1 / (1 + np.exp(-z))).astype(np.float32)
+        metrics.update(y, z)
+        ys.append(y)
+        zs.append(z)
+    y, p = np.concatenate(ys), 1 / (1 + np.exp(-np.concatenate(zs)))
+    got = metrics.result()
+    assert 0 < got["auc_error_bound"] < 1e-4
+    assert abs(got["auc"] - roc_auc_score(y, p)) <= got["auc_error_bound"]
+    assert got["logloss"] == pytest.approx(log_loss(y, p), rel=1e-10)
+    assert metrics.pos.nbytes + metrics.neg.nbytes == 2 * 8 * (1 << 20)  # whatever the rows
+
+
+def test_eval_every_reports_during_training(tmp_path, unique_tsv):
+    trainer = Trainer(_tiny_cfg(unique_tsv, tmp_path, steps=10, eval_every=5, eval_fraction=0.2, checkpoint_dir=None))
+    result = trainer.train()
+    assert [h["step"] for h in result["eval_history"]] == [5, 10]
+    assert result["eval_history"][-1]["rows"] == result["eval"]["rows"] == 2000
+    assert result["eval_history"][-1]["auc"] == result["eval"]["auc"]  # the same model, the same rows
