@@ -17,8 +17,12 @@ from deeprec.ragged import Ragged
 from deeprec.runtime import OptimizedModel, make_prefetch_hook, optimize
 
 __version__ = "0.1.0"
+
+from deeprec import serving  # noqa: E402  (after __version__: an export records it)
+from deeprec.serving import export  # noqa: E402
 __all__ = ["Ragged", "data", "errors", "models", "nn", "ops", "optim", "op", "CBFFilter", "CounterFilter",
            "EmbeddingCollection", "EmbeddingVariable", "EmbeddingVariableOption", "GlobalStepEvict",
            "InitializerOption", "L2WeightEvict", "fused_safe_embedding_lookup_sparse", "Config", "SmartStageOptions", "ThreadPoolOptions",
            "ConfigError", "DataError", "DeepRecError", "OutOfRangeError", "CaptureError",
-           "mark_target_node", "staged", "MultiStreamOptions", "stream", "colocate_with", "OptimizedModel", "make_prefetch_hook", "optimize", "__version__"]
+           "mark_target_node", "staged", "MultiStreamOptions", "stream", "colocate_with", "OptimizedModel", "make_prefetch_hook", "optimize", "__version__",
+           "serving", "export"]

@@ -1,4 +1,4 @@
-"""`deeprec` command line: train, launch, explain, evaluate, data synth, data convert.
+"""`deeprec` command line: train, launch, explain, evaluate, export, data synth, data convert.
 
 Errors reach the user as one line, no traceback: exit code 2 for usage and configuration
 errors (deeprec.errors.ConfigError, a missing file), 1 for data and runtime errors.
@@ -145,21 +145,36 @@ def cmd_explain(args, console: Console) -> int:
     return 0
 
 
-def cmd_evaluate(args, console: Console) -> int:
+def model_from_checkpoint(checkpoint: str):
+    """(model with the checkpoint's weights, its state, its schema) from a checkpoint file or folder."""
     from deeprec.checkpoint import latest_checkpoint, load_checkpoint, load_model_weights
-    from deeprec.data import open_reader
-    from deeprec.models import build_model
-    from deeprec.metrics import evaluate
-
-    path = args.checkpoint if os.path.isfile(args.checkpoint) else latest_checkpoint(args.checkpoint)
-    if path is None:
-        raise ConfigError(f"no checkpoint found in {args.checkpoint}")
     from deeprec.data import schema_from_dict
+    from deeprec.models import build_model
 
+    path = checkpoint if os.path.isfile(checkpoint) else latest_checkpoint(checkpoint)
+    if path is None:
+        raise ConfigError(f"no checkpoint found in {checkpoint}")
     state = load_checkpoint(path)
     schema = schema_from_dict(state["schema"]) if state.get("schema") else None
     model = build_model(state["model_name"], schema=schema, **state["model_overrides"])
     load_model_weights(model, state["model"])
+    return model, state, schema, path
+
+
+def cmd_export(args, console: Console) -> int:
+    from deeprec.serving import export
+
+    model, state, schema, path = model_from_checkpoint(args.checkpoint)
+    out = export(model, args.out, schema=schema, model_name=state["model_name"], step=int(state["step"]))
+    console.print(f"exported {path} (step {state['step']}) to {out}")
+    return 0
+
+
+def cmd_evaluate(args, console: Console) -> int:
+    from deeprec.data import open_reader
+    from deeprec.metrics import evaluate
+
+    model, state, schema, path = model_from_checkpoint(args.checkpoint)
     metrics = evaluate(model, open_reader(args.data, args.batch_size, schema=schema, on_bad_row=args.on_bad_row))
     console.print(f"{path} (step {state['step']}) on {', '.join(args.data)}")
     print(json.dumps(metrics))
@@ -227,6 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch-size", type=int, default=4096)
     ev.add_argument("--on-bad-row", choices=("raise", "skip"), default="raise")
     ev.set_defaults(func=cmd_evaluate)
+
+    xp = sub.add_parser("export", help="a self-contained serving export of a checkpoint (deeprec.serving)")
+    xp.add_argument("--checkpoint", required=True, help="checkpoint file or folder (latest is used)")
+    xp.add_argument("--out", required=True, help="the export folder (replaced atomically)")
+    xp.set_defaults(func=cmd_export)
 
     data = sub.add_parser("data", help="data tools").add_subparsers(dest="data_command", required=True)
     sy = data.add_parser("synth", help="write synthetic Criteo-layout TSV")

@@ -142,3 +142,7 @@ def _bytes_tensor(buffer, start: int, end: int) -> torch.Tensor:
 
 
 __all__ = ["Ragged"]
+
+
+# a saved ExportedProgram (deeprec.serving) records its input layout, Ragged leaves included, by this name
+torch.utils._pytree._register_namedtuple(Ragged, serialized_type_name="deeprec.ragged.Ragged")

@@ -155,7 +155,7 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, std::vec
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(deeprec, m) {
-  m.def("prepare_bags(Tensor[] values, Tensor[] offsets, int batch, int[] combiners, int[] fill_ids, "
+  m.def("prepare_bags(Tensor[] values, Tensor[] offsets, SymInt batch, int[] combiners, int[] fill_ids, "
         "int[] has_fill) -> (Tensor[], Tensor, Tensor, Tensor, Tensor[])");
 }
 

@@ -182,6 +182,9 @@ class FusedLookup(nn.Module):
 
             for part, (ev, keys, seen) in enumerate(zip(self.variables, uniques, counts)):
                 rows, values, generation = ev.lookup(keys, seen, train=self.training)  # freq counts every occurrence
+                if not (self.training and torch.is_grad_enabled()):
+                    gathered.append(values)  # no gradient to route (and what an exported program holds)
+                    continue
                 gathered.append(RowGather.apply(self._token, Gathered(values), rows,
                                                 functools.partial(sink, part=part, generation=generation)))
             rows_values = torch.cat(gathered)
@@ -189,13 +192,17 @@ class FusedLookup(nn.Module):
             keys = torch.cat(uniques)
             counts = torch.tensor([k.numel() for k in uniques])
             limits = torch.repeat_interleave(self.table_sizes, counts)
-            if bool((keys >= limits).any()):  # one vectorized range check for all tables
+            # one vectorized range check for all tables (an exported program has no data-dependent raise)
+            if not torch.compiler.is_exporting() and bool((keys >= limits).any()):
                 f = int(torch.repeat_interleave(torch.arange(len(uniques)), counts)[keys >= limits][0])
                 raise IndexError(f"feature {self.features[f].name!r}: id {int(uniques[f].max())} is out of "
                                  f"range [0, {self.features[f].num_embeddings})")
             rows = keys + torch.repeat_interleave(self.table_offsets, counts)
-            rows_values = RowGather.apply(self._token, self.weight.data, rows,
-                                          lambda r, g: self._receive(0, r, g))
+            if self.training and torch.is_grad_enabled():
+                rows_values = RowGather.apply(self._token, self.weight.data, rows,
+                                              lambda r, g: self._receive(0, r, g))
+            else:  # no gradient to route: a plain gather (what an exported program holds)
+                rows_values = self.weight.index_select(0, rows)
         return assemble(rows_values, inverse, offsets, weights, masks, self.num_pooled, self.max_norm)
 
     def get_extra_state(self):

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from deeprec.ops.graph_op import op
 
@@ -109,6 +110,14 @@ def merge_shared_tables(uniques: Sequence[torch.Tensor], inverse: torch.Tensor, 
     return tuple(table_keys), row_of[inverse], tuple(table_counts)
 
 
+def _position(offsets: torch.Tensor, i, limit) -> int:
+    """offsets[i] as a Python int, declared a valid slice bound (torch.export traces it as a symbol)."""
+    value = offsets[i].item()
+    torch._check(value >= 0)
+    torch._check(value <= limit)
+    return value
+
+
 def assemble(rows: torch.Tensor, inverse, offsets, weights, masks: Sequence[torch.Tensor], num_pooled: int,
              max_norm: float | None):
     """Looked-up rows [U, D] -> the pooled features' [B, P, D] (the first P features' bags) and
@@ -124,9 +133,11 @@ def assemble(rows: torch.Tensor, inverse, offsets, weights, masks: Sequence[torc
     if num_pooled == 0:
         pooled = rows.new_zeros(batch, 0, dim)
     else:
-        ids_end = int(offsets[end]) if masks else inverse.numel()
+        ids_end = _position(offsets, end, inverse.numel()) if masks else inverse.numel()
         bag_inverse, bag_offsets = inverse[:ids_end], offsets[:end + 1]
-        if bag_inverse.numel() == end:  # one id in every bag: pooling is a gather
+        # one id in every bag: pooling is a gather (the same values as embedding_bag's weighted sum of
+        # one row; an exported program, whose sizes are symbols, takes the general path)
+        if guard_or_false(bag_inverse.numel() == end):
             flat = rows.index_select(0, bag_inverse)
         else:
             flat = torch.nn.functional.embedding_bag(bag_inverse, rows, bag_offsets, mode="sum",
@@ -138,7 +149,7 @@ def assemble(rows: torch.Tensor, inverse, offsets, weights, masks: Sequence[torc
     sequences = []
     for s, mask in enumerate(masks):
         f = num_pooled + s
-        start, stop = int(offsets[f * batch]), int(offsets[(f + 1) * batch])
+        start, stop = _position(offsets, f * batch, inverse.numel()), _position(offsets, (f + 1) * batch, inverse.numel())
         index = torch.full((mask.numel(),), rows.shape[0], dtype=torch.long, device=rows.device)
         index[mask.reshape(-1)] = inverse[start:stop]
         sequences.append(padded.index_select(0, index).view(*mask.shape, dim))

@@ -52,8 +52,8 @@ def ragged_keys(r, hash: str = "siphash") -> Ragged:
 def _kept(offsets: torch.Tensor, max_length: int):
     lengths = offsets[1:] - offsets[:-1]
     kept = lengths.clamp(max=max_length)
-    row = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-    position = torch.arange(int(offsets[-1]) - int(offsets[0])) - (offsets[:-1] - offsets[0])[row]
+    row = torch.repeat_interleave(torch.arange(lengths.shape[0]), lengths)
+    position = torch.arange(row.numel()) - (offsets[:-1] - offsets[0])[row]  # row.numel(): the items
     keep = position >= (lengths - kept)[row]
     return lengths, kept, row, keep
 
@@ -78,9 +78,9 @@ def pad_ragged(r, max_length: int, pad_value: int = 0) -> tuple[torch.Tensor, to
     if isinstance(r.values, Ragged):
         raise ConfigError("pad_ragged takes integer ids: hash string values first (hash_ragged)")
     lengths, kept, row, keep = _kept(r.offsets, max_length)
-    batch = len(lengths)
+    batch = lengths.shape[0]
     ids = torch.full((batch, max_length), pad_value, dtype=torch.long)
-    slot = (torch.arange(len(row)) - (r.offsets[:-1] - r.offsets[0])[row]) - (lengths - kept)[row]
+    slot = (torch.arange(row.shape[0]) - (r.offsets[:-1] - r.offsets[0])[row]) - (lengths - kept)[row]
     ids[row[keep], slot[keep]] = r.values.long()[keep]
     mask = torch.arange(max_length).unsqueeze(0) < kept.unsqueeze(1)
     return ids, mask

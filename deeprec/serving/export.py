@@ -1,0 +1,111 @@
+"""Export a trained model for serving: `dr.export(model, path)` / `deeprec export`.
+
+    MODEL_DIR/
+      program.pt2          torch.export ExportedProgram: raw batch (the reader's format) -> logits,
+                           preprocessing (hashing, bucketizing, bags) included as deeprec ops
+      tables.safetensors   the program's weights: dense layers, embedding tables, and each
+                           EmbeddingVariable frozen into sorted keys + values (serving.frozen)
+      manifest.json        format, model, step, schema, label columns, sha256 of each file
+
+The batch dimension is dynamic (traced on a 5-row batch with uneven bags and sequences);
+serving pads a 1-row request to 2 rows, as torch.export specializes sizes 0 and 1.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import tempfile
+
+import pyarrow as pa
+import torch
+from safetensors.torch import save_file
+from torch.export import Dim, ShapesCollection
+from torch.utils._pytree import tree_leaves
+
+import deeprec
+from deeprec.data.schema import Schema, schema_to_dict
+from deeprec.serving.frozen import freeze_variables
+
+FORMAT = 1
+PROGRAM, TABLES, MANIFEST = "program.pt2", "tables.safetensors", "manifest.json"
+
+
+def example_batch(schema: Schema, rows: int = 5) -> dict:
+    """A raw batch of `rows` made-up rows: uneven strings and sequences, a missing value, so the
+    traced program keeps every size symbolic."""
+    columns = {}
+    for c in schema.columns:
+        if c.kind == "ignore":
+            continue
+        if c.kind in ("label", "dense", "weight"):
+            values = [float(i % 2) if c.kind == "label" else (None if i == 1 else float(i) + 0.5) for i in range(rows)]
+            columns[c.name] = pa.array(values, pa.float32())
+        elif c.kind == "categorical" and c.dtype == "int":
+            columns[c.name] = pa.array([None if i == 1 else i * 7 for i in range(rows)], pa.int64())
+        elif c.kind == "categorical":
+            columns[c.name] = pa.array([b"" if i == 1 else b"v" * (i + 1) for i in range(rows)], pa.binary())
+        else:  # sequence: lengths 0, 1, 2, ... (its separator; string or int items)
+            items = [[str(3 * i + j + 1) for j in range(i)] for i in range(rows)]
+            columns[c.name] = pa.array([c.separator.join(row) for row in items], pa.string())
+    return schema.to_batch(pa.table(columns))
+
+
+def _dynamic_shapes(batch: dict) -> ShapesCollection:
+    shapes = ShapesCollection()
+    for t in tree_leaves(batch):
+        if isinstance(t, torch.Tensor) and t.dim() >= 1:
+            shapes[t] = {0: Dim.AUTO}
+    return shapes
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def export(model: torch.nn.Module, path: str, *, schema: Schema | None = None, model_name: str | None = None,
+           step: int = 0) -> str:
+    """Write a self-contained serving export of `model` to the folder `path` (replaced atomically).
+    The model is not changed: a frozen copy is traced."""
+    schema = schema or getattr(model, "schema", None)
+    if schema is None:
+        raise ValueError("export needs the data's schema: dr.export(model, path, schema=...)")
+    frozen = copy.deepcopy(model).eval()
+    freeze_variables(frozen)
+    batch = example_batch(schema)
+    with torch.no_grad():
+        program = torch.export.export(frozen, (batch,), dynamic_shapes=_dynamic_shapes(batch), strict=False)
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    torch.export.save(program, os.path.join(staging, PROGRAM))
+    weights = {k: v.detach().contiguous() for k, v in program.state_dict.items()}
+    save_file(weights, os.path.join(staging, TABLES))
+    manifest = {"format": FORMAT, "model": model_name or type(model).__name__.lower(), "step": int(step),
+                "schema": schema_to_dict(schema), "labels": list(getattr(model, "label_columns", ("label",))),
+                "inputs": sorted(batch), "deeprec": deeprec.__version__, "torch": torch.__version__,
+                "sha256": {name: _sha256(os.path.join(staging, name)) for name in (PROGRAM, TABLES)}}
+    with open(os.path.join(staging, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+    if os.path.isdir(path):  # replace an older export: rename aside, then in, then drop the old one
+        old = path.rstrip("/") + f".old-{os.getpid()}"
+        os.replace(path, old)
+        os.replace(staging, path)
+        _remove_tree(old)
+    else:
+        os.replace(staging, path)
+    return path
+
+
+def _remove_tree(path: str) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+__all__ = ["export", "example_batch", "FORMAT"]

@@ -1,0 +1,102 @@
+"""Serving exports: the exported program scores exactly as the trained model evaluates."""
+import json
+
+import pytest
+import torch
+
+import deeprec as dr
+from deeprec.cli import sample_path
+from deeprec.data import open_reader
+from deeprec.serving import RequestError, ServingError, _repeat_row
+from deeprec.trainer import TrainConfig, Trainer
+
+SAMPLES = {"din": "movielens_sample.txt", "mmoe": "byterec_sample.txt"}
+
+
+def _trained(model, embedding, tmp_path):
+    data = sample_path(SAMPLES.get(model, "criteo_sample.txt"))
+    cfg = TrainConfig.create(model=model, data=[data], steps=3, batch_size=64, embedding=embedding, progress=False,
+                             checkpoint_dir=str(tmp_path / "ckpt"))
+    trainer = Trainer(cfg)
+    trainer.train()
+    return trainer, data
+
+
+@pytest.mark.parametrize("embedding", ["table", "variable"])
+@pytest.mark.parametrize("model", ["dlrm", "deepfm", "wdl", "din", "mmoe"])
+def test_export_scores_exactly_as_evaluation(tmp_path, model, embedding):
+    trainer, data = _trained(model, embedding, tmp_path)
+    path = dr.export(trainer.model, str(tmp_path / "export"), schema=trainer.schema, model_name=model,
+                     step=trainer.step)
+    served = dr.serving.load(path)
+    assert served.step == 3 and served.manifest["model"] == model
+    trainer.model.eval()
+    for size in (50, 7, 1):  # any batch size, one row included
+        batch = next(iter(open_reader([data], size, schema=trainer.schema)))
+        # a 1-row request is scored as the row twice (torch.export specializes size 1): compare on that batch
+        same = _repeat_row(batch) if size == 1 else batch
+        with torch.no_grad():
+            want = trainer.model(same)["logits"][:size]
+        assert torch.equal(served.logits(batch), want), size  # exact on CPU fp32
+        assert torch.equal(served(batch), torch.sigmoid(want))
+
+
+def _json_rows(path, schema, n):
+    import csv
+
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))[:n]
+    out = {}
+    for c in schema.columns:
+        if c.kind in ("label", "ignore"):
+            continue
+        values = [r[c.name] for r in rows]
+        if c.kind == "dense":
+            values = [float(v) if v else None for v in values]
+        out[c.name] = values
+    return out
+
+
+def test_json_rows_score_as_the_reader_batch(tmp_path):
+    trainer, data = _trained("dlrm", "variable", tmp_path)
+    served = dr.serving.load(dr.export(trainer.model, str(tmp_path / "e"), schema=trainer.schema, step=3))
+    rows = _json_rows(data, trainer.schema, 9)
+    batch = next(iter(open_reader([data], 9, schema=trainer.schema)))
+    assert torch.equal(served(json.loads(json.dumps(rows))), served(batch))
+
+
+def test_bad_requests_name_the_field(tmp_path):
+    trainer, data = _trained("dlrm", "table", tmp_path)
+    served = dr.serving.load(dr.export(trainer.model, str(tmp_path / "e"), schema=trainer.schema))
+    rows = _json_rows(data, trainer.schema, 2)
+    with pytest.raises(RequestError, match="field 'C3' is missing"):
+        served({k: v for k, v in rows.items() if k != "C3"})
+    with pytest.raises(RequestError, match="field 'I1': 1 values, other fields have 2"):
+        served({**rows, "I1": [1.0]})
+    with pytest.raises(RequestError, match="field 'I2'"):
+        served({**rows, "I2": ["x", "y"]})
+    with pytest.raises(RequestError, match="field 'nope' is not a column"):
+        served({**rows, "nope": [1, 2]})
+
+
+def test_a_corrupt_export_is_refused_naming_the_file(tmp_path):
+    trainer, _ = _trained("dlrm", "table", tmp_path)
+    path = dr.export(trainer.model, str(tmp_path / "e"), schema=trainer.schema)
+    with open(f"{path}/tables.safetensors", "r+b") as f:
+        f.seek(200)
+        f.write(b"\x00" * 64)
+    with pytest.raises(ServingError, match="tables.safetensors: missing or corrupt"):
+        dr.serving.load(path)
+
+
+def test_cli_export_of_a_checkpoint_scores_as_the_trained_model(tmp_path):
+    from deeprec.cli import main
+
+    trainer, data = _trained("deepfm", "variable", tmp_path)
+    assert main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "cli")]) == 0
+    served = dr.serving.load(str(tmp_path / "cli"))
+    assert served.manifest["model"] == "deepfm" and served.step == 3
+    batch = next(iter(open_reader([data], 33, schema=trainer.schema)))
+    trainer.model.eval()
+    with torch.no_grad():
+        assert torch.equal(served.logits(batch), trainer.model(batch)["logits"])
