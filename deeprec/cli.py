@@ -1,4 +1,4 @@
-"""`deeprec` command line: train, launch, explain, evaluate, export, data synth, data convert.
+"""`deeprec` command line: train, launch, explain, evaluate, export, serve, data synth, data convert.
 
 Errors reach the user as one line, no traceback: exit code 2 for usage and configuration
 errors (deeprec.errors.ConfigError, a missing file), 1 for data and runtime errors.
@@ -170,6 +170,16 @@ def cmd_export(args, console: Console) -> int:
     return 0
 
 
+def cmd_serve(args, console: Console) -> int:
+    from deeprec.serving.server import serve
+
+    if args.max_batch < 1 or args.max_wait_ms < 0:
+        raise ConfigError(f"--max-batch must be >= 1 and --max-wait-ms >= 0, got {args.max_batch} and "
+                          f"{args.max_wait_ms}")
+    serve(args.model_dir, args.host, args.port, args.max_batch, args.max_wait_ms)
+    return 0
+
+
 def cmd_evaluate(args, console: Console) -> int:
     from deeprec.data import open_reader
     from deeprec.metrics import evaluate
@@ -247,6 +257,14 @@ def build_parser() -> argparse.ArgumentParser:
     xp.add_argument("--checkpoint", required=True, help="checkpoint file or folder (latest is used)")
     xp.add_argument("--out", required=True, help="the export folder (replaced atomically)")
     xp.set_defaults(func=cmd_export)
+
+    sv = sub.add_parser("serve", help="HTTP JSON inference server of an export (POST /v1/predict)")
+    sv.add_argument("model_dir")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless given)")
+    sv.add_argument("--port", type=int, default=8080, help="0: any free port (printed)")
+    sv.add_argument("--max-batch", type=int, default=256, help="rows per model call, concurrent requests merged")
+    sv.add_argument("--max-wait-ms", type=float, default=2.0, help="wait for more requests to batch")
+    sv.set_defaults(func=cmd_serve)
 
     data = sub.add_parser("data", help="data tools").add_subparsers(dest="data_command", required=True)
     sy = data.add_parser("synth", help="write synthetic Criteo-layout TSV")

@@ -91,7 +91,7 @@ class ServedModel:
         if _is_json(batch):
             batch = self.batch(batch)
         batch = dict(batch)
-        rows = _rows(batch, self.labels)
+        rows = batch_rows(batch)
         for name in self.labels:  # the program takes every column; labels only feed the unused loss
             batch.setdefault(name, torch.zeros(rows))
         batch = {c.name: batch[c.name] for c in self.schema.columns if c.kind != "ignore"}
@@ -113,8 +113,9 @@ def _is_json(batch: dict) -> bool:
     return any(isinstance(v, list) for v in batch.values())
 
 
-def _rows(batch: dict, labels) -> int:
-    for name, value in batch.items():
+def batch_rows(batch: dict) -> int:
+    """Rows of a raw batch (its first column's)."""
+    for value in batch.values():
         if isinstance(value, torch.Tensor):
             return value.shape[0]
         if hasattr(value, "rows"):

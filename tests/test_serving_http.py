@@ -1,0 +1,85 @@
+"""deeprec serve: a real server process on loopback, a real HTTP client."""
+import concurrent.futures
+import subprocess
+import sys
+
+import httpx
+import pytest
+import torch
+
+import deeprec as dr
+from deeprec.cli import sample_path
+from deeprec.trainer import TrainConfig, Trainer
+
+from test_serving import _json_rows
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    data = sample_path("criteo_sample.txt")
+    trainer = Trainer(TrainConfig.create(model="dlrm", data=[data], steps=3, batch_size=64, embedding="variable",
+                                         progress=False))
+    trainer.train()
+    path = dr.export(trainer.model, str(tmp / "export"), schema=trainer.schema, model_name="dlrm", step=3)
+    proc = subprocess.Popen([sys.executable, "-m", "deeprec", "serve", path, "--port", "0", "--max-wait-ms", "20"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line.startswith("listening on http://127.0.0.1:"), (line, proc.stderr.read() if proc.poll() else "")
+    url = line.split()[-1]
+    yield url, dr.serving.load(path), _json_rows(data, trainer.schema, 64)
+    proc.terminate()
+    proc.wait(20)
+
+
+def _rows(rows, start, n):
+    return {k: v[start:start + n] for k, v in rows.items()}
+
+
+def test_predict_returns_the_models_scores(server):
+    url, served, rows = server
+    for n in (1, 5, 64):
+        reply = httpx.post(f"{url}/v1/predict", json={"inputs": _rows(rows, 0, n)}, timeout=30)
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        assert body["step"] == 3 and len(body["scores"]) == n
+        want = served(_rows(rows, 0, n))
+        assert torch.equal(torch.tensor(body["scores"], dtype=torch.float32), want)  # exact through JSON
+
+
+def test_concurrent_requests_are_batched_and_each_gets_its_rows(server):
+    url, served, rows = server
+
+    def ask(i):
+        return i, httpx.post(f"{url}/v1/predict", json={"inputs": _rows(rows, i, 3)}, timeout=60).json()["scores"]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(ask, range(40)))
+    for i, scores in replies:  # batched with others, scored alike up to float rounding of the batch's gemm
+        assert torch.allclose(torch.tensor(scores), served(_rows(rows, i, 3)), atol=1e-6), i
+    metrics = httpx.get(f"{url}/metrics").text
+    count = float(next(l.split()[-1] for l in metrics.splitlines() if l.startswith("deeprec_batch_rows_count")))
+    total = float(next(l.split()[-1] for l in metrics.splitlines() if l.startswith("deeprec_batch_rows_sum")))
+    assert total / count > 3  # requests of 3 rows were merged
+
+
+def test_bad_requests_get_400_naming_the_field(server):
+    url, _, rows = server
+    cases = [({"inputs": {k: v for k, v in _rows(rows, 0, 2).items() if k != "C7"}}, "field 'C7' is missing"),
+             ({"inputs": {**_rows(rows, 0, 2), "I4": ["a", "b"]}}, "field 'I4'"),
+             ({"rows": {}}, "the body must be"),
+             ({"inputs": {**_rows(rows, 0, 2), "I1": 3}}, "field 'I1': must be a list")]
+    for body, message in cases:
+        reply = httpx.post(f"{url}/v1/predict", json=body, timeout=30)
+        assert reply.status_code == 400 and message in reply.json()["error"], (reply.status_code, reply.text)
+    reply = httpx.post(f"{url}/v1/predict", content=b"{not json", timeout=30)
+    assert reply.status_code == 400 and "not JSON" in reply.json()["error"]
+
+
+def test_health_and_metrics(server):
+    url, _, rows = server
+    assert httpx.get(f"{url}/healthz").json() == {"status": "ok", "step": 3, "model": "dlrm"}
+    httpx.post(f"{url}/v1/predict", json={"inputs": _rows(rows, 0, 2)}, timeout=30)
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'deeprec_requests_total{code="200"}' in metrics and "deeprec_model_step 3.0" in metrics
+    assert "deeprec_request_latency_seconds_bucket" in metrics
