@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -141,11 +142,15 @@ def _scores(scores: torch.Tensor, labels: list[str]):
 
 
 def serve(path: str, host: str = "127.0.0.1", port: int = 8080, max_batch: int = 256,
-          max_wait_ms: float = 2.0) -> None:
-    """Serve the export at `path` until interrupted; prints `listening on http://host:port` when ready."""
+          max_wait_ms: float = 2.0, threads: int | None = None) -> None:
+    """Serve the export at `path` until interrupted; prints `listening on http://host:port` when ready.
+    `threads`: torch intra-op threads of the scoring thread (default: cores - 1, leaving one core to the
+    event loop that parses requests: background + intra-op <= cores)."""
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
     app = make_app(load(path), max_batch, max_wait_ms)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it: no Nagle delay
     sock.bind((host, port))
     sock.listen(1024)  # connections wait in the backlog until uvicorn accepts
     print(f"listening on http://{host}:{sock.getsockname()[1]}", flush=True)
