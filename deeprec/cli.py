@@ -176,7 +176,7 @@ def cmd_serve(args, console: Console) -> int:
     if args.max_batch < 1 or args.max_wait_ms < 0:
         raise ConfigError(f"--max-batch must be >= 1 and --max-wait-ms >= 0, got {args.max_batch} and "
                           f"{args.max_wait_ms}")
-    serve(args.model_dir, args.host, args.port, args.max_batch, args.max_wait_ms, args.threads)
+    serve(args.model_dir, args.host, args.port, args.max_batch, args.max_wait_ms, args.threads, args.watch_interval)
     return 0
 
 
@@ -259,12 +259,14 @@ def build_parser() -> argparse.ArgumentParser:
     xp.set_defaults(func=cmd_export)
 
     sv = sub.add_parser("serve", help="HTTP JSON inference server of an export (POST /v1/predict)")
-    sv.add_argument("model_dir")
+    sv.add_argument("model_dir", help="an export, or a training's --export-dir (followed while serving)")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless given)")
     sv.add_argument("--port", type=int, default=8080, help="0: any free port (printed)")
     sv.add_argument("--max-batch", type=int, default=256, help="rows per model call, concurrent requests merged")
     sv.add_argument("--max-wait-ms", type=float, default=2.0, help="wait for more requests to batch")
     sv.add_argument("--threads", type=int, default=None, help="torch threads scoring (default: cores - 1)")
+    sv.add_argument("--watch-interval", type=float, default=1.0,
+                    help="seconds between looks for new deltas/full exports (MODEL_DIR a training's --export-dir)")
     sv.set_defaults(func=cmd_serve)
 
     data = sub.add_parser("data", help="data tools").add_subparsers(dest="data_command", required=True)

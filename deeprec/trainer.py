@@ -71,6 +71,10 @@ class TrainConfig:
     incremental_every: int = option(0, "steps between incremental checkpoints (EmbeddingVariable rows touched "
                                     "since the last full one)")
     resume: bool = option(False, "continue from the latest checkpoint in --checkpoint-dir")
+    export_dir: str | None = option(None, "folder of serving exports written while training (deeprec serve follows it)")
+    export_every: int = option(0, "steps between full serving exports (with --export-dir; 0: only at the end)")
+    export_incremental_every: int = option(0, "steps between serving deltas: EmbeddingVariable rows updated since "
+                                           "the last export, and the dense weights")
     threads: int | None = option(None, "torch intra-op threads")
     model_overrides: dict = option(factory=dict, cli=False)  # TOML table: the model's config fields
     schema: str | None = option(None, "the data's columns: a preset (criteo, avazu, movielens, byterec, behavior) "
@@ -106,11 +110,16 @@ class TrainConfig:
             raise ConfigError("resume needs checkpoint_dir")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.ps_addresses and self.export_dir:
+            raise ConfigError("serving exports of parameter-server training are not implemented yet: export a "
+                              "checkpoint with deeprec export")
         if self.ps_addresses and self.incremental_every:
             raise ConfigError("incremental checkpoints of parameter-server training are not implemented yet")
         if self.ps_addresses and self.embedding not in (None, "variable"):
             raise ConfigError("parameter-server training keeps embeddings as EmbeddingVariables: "
                               f"embedding={self.embedding!r} is not supported there")
+        if (self.export_every or self.export_incremental_every) and not self.export_dir:
+            raise ConfigError("export_every / export_incremental_every need export_dir")
         if self.optimize.async_embedding and not self.ps_addresses:
             raise ConfigError("async_embedding pulls embedding rows from the parameter servers in the "
                               "SmartStage prefetch: it needs a parameter-server job (deeprec launch ... -- train)")
@@ -181,6 +190,11 @@ class Trainer:
         self._reader_state = self.train_reader.state_dict()  # position of the last batch trained on
         self.skipped_nonfinite = 0
         self.eval_history: list[dict] = []  # --eval-every
+        self.exports = None
+        if cfg.export_dir:
+            from deeprec.serving.online import ExportWriter
+
+            self.exports = ExportWriter(cfg.export_dir, self.model, self.schema, cfg.model)
         self._eval_start = self.eval_reader.state_dict() if self.eval_reader is not None else None
         if cfg.checkpoint_dir:
             remove_stale_temporaries(self.updater.checkpoint_dir(cfg.checkpoint_dir))
@@ -242,6 +256,16 @@ class Trainer:
         self.console.print(f"resumed from {', '.join(map(os.path.basename, chain))} at step {self.step}")
 
     # -- loop ------------------------------------------------------------------------
+    def _export_now(self, final: bool = False) -> None:
+        """--export-dir: a full export every --export-every steps, a delta every --export-incremental-every."""
+        cfg, step = self.cfg, self.step
+        if not cfg.is_chief or step == self.exports.last_step:
+            return
+        if cfg.export_every and step % cfg.export_every == 0:
+            self.exports.full(step)
+        elif (cfg.export_incremental_every and step % cfg.export_incremental_every == 0) or final:
+            self.exports.delta(step)
+
     def _evaluate_now(self, progress) -> None:
         """--eval-every: one pass over the evaluation data from its start, in bounded memory."""
         if not self.cfg.is_chief:
@@ -297,9 +321,13 @@ class Trainer:
                     self.save()
                 elif cfg.checkpoint_dir and cfg.incremental_every and self.step % cfg.incremental_every == 0:
                     self.save(incremental=True)
+                if self.exports is not None:
+                    self._export_now()
                 if cfg.eval_every and self.step % cfg.eval_every == 0 and self.eval_reader is not None:
                     self._evaluate_now(progress)
         self.updater.finish()
+        if self.exports is not None:
+            self._export_now(final=True)  # the served model catches up with the trained one
         elapsed = time.perf_counter() - started
         if cfg.checkpoint_dir and self.step > start_step:
             self.save()

@@ -100,3 +100,28 @@ def test_cli_export_of_a_checkpoint_scores_as_the_trained_model(tmp_path):
     trainer.model.eval()
     with torch.no_grad():
         assert torch.equal(served.logits(batch), trainer.model(batch)["logits"])
+
+
+def _online_cfg(tmp_path, steps, **kw):
+    return TrainConfig.create(model="dlrm", data=[sample_path("criteo_sample.txt")], steps=steps, batch_size=16,
+                              embedding="variable", progress=False, seed=2, **kw)
+
+
+def test_deltas_bring_the_served_model_to_the_trained_one(tmp_path):
+    exports = tmp_path / "exports"
+    trainer = Trainer(_online_cfg(tmp_path, 11, export_dir=str(exports), export_every=5, export_incremental_every=2))
+    trainer.train()
+    names = sorted(p.name for p in exports.iterdir())
+    assert names == ["delta-000000006.json", "delta-000000006.safetensors", "delta-000000008.json",
+                     "delta-000000008.safetensors", "delta-000000011.json", "delta-000000011.safetensors",
+                     "full-000000005", "full-000000010"]  # 2 full exports kept; deltas after the older one
+    batch = next(iter(open_reader([sample_path("criteo_sample.txt")], 64, schema=trainer.schema)))
+    for step in (8, 11):  # after the deltas up to step s, the model served is the training model at step s
+        served = dr.serving.load(str(exports), upto_step=step)
+        assert served.step == step
+        reference = Trainer(_online_cfg(tmp_path, step)) if step < 11 else trainer
+        if step < 11:
+            reference.train()
+        reference.model.eval()
+        with torch.no_grad():
+            assert torch.equal(served.logits(batch), reference.model(batch)["logits"]), step

@@ -83,3 +83,37 @@ def test_health_and_metrics(server):
     metrics = httpx.get(f"{url}/metrics").text
     assert 'deeprec_requests_total{code="200"}' in metrics and "deeprec_model_step 3.0" in metrics
     assert "deeprec_request_latency_seconds_bucket" in metrics
+
+
+def test_serve_follows_new_deltas_without_a_restart(tmp_path):
+    import shutil
+    import time
+
+    from test_serving import _online_cfg
+
+    exports, live = tmp_path / "exports", tmp_path / "live"
+    trainer = Trainer(_online_cfg(tmp_path, 11, export_dir=str(exports), export_every=5, export_incremental_every=2))
+    trainer.train()
+    live.mkdir()
+    shutil.copytree(exports / "full-000000010", live / "full-000000010")  # the server starts on step 10
+    proc = subprocess.Popen([sys.executable, "-m", "deeprec", "serve", str(live), "--port", "0",
+                             "--watch-interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = proc.stdout.readline().split()[-1]
+        assert httpx.get(f"{url}/healthz").json()["step"] == 10
+        for suffix in (".safetensors", ".json"):  # the .json last, as the trainer writes it
+            shutil.copy(exports / f"delta-000000011{suffix}", live / f"delta-000000011{suffix}")
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{url}/healthz").json()["step"] != 11 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        rows = _json_rows(sample_path("criteo_sample.txt"), trainer.schema, 8)
+        reply = httpx.post(f"{url}/v1/predict", json={"inputs": rows}, timeout=30).json()
+        assert reply["step"] == 11
+        trainer.model.eval()
+        with torch.no_grad():
+            want = torch.sigmoid(trainer.model(dr.serving.load(str(exports)).batch(rows))["logits"])
+        assert torch.equal(torch.tensor(reply["scores"], dtype=torch.float32), want)
+        assert "deeprec_model_updates_total 1.0" in httpx.get(f"{url}/metrics").text
+    finally:
+        proc.terminate()
+        proc.wait(20)

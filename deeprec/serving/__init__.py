@@ -105,8 +105,16 @@ class ServedModel:
         return torch.sigmoid(self.logits(batch))
 
 
-def load(path: str) -> ServedModel:
-    return ServedModel(path)
+def load(path: str, upto_step: int | None = None) -> ServedModel:
+    """An export folder (manifest.json inside), or a training run's export dir: its newest full
+    export plus the deltas after it (up to `upto_step` if given)."""
+    if os.path.exists(os.path.join(path, MANIFEST)):
+        return ServedModel(path)
+    from deeprec.serving.online import ExportFolder
+
+    if not os.path.isdir(path):
+        raise ServingError(f"{path}: no such export")
+    return ExportFolder(path).load(upto_step)
 
 
 def _is_json(batch: dict) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import socket
 import time
@@ -31,6 +32,10 @@ from starlette.routing import Route
 
 from deeprec.data.collate import collate
 from deeprec.serving import RequestError, ServedModel, batch_rows, load
+from deeprec.serving.export import MANIFEST
+from deeprec.serving.online import ExportFolder
+
+log = logging.getLogger("deeprec.serve")
 
 
 class Metrics:
@@ -45,6 +50,10 @@ class Metrics:
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096),
                                     registry=self.registry)
         self.step = Gauge("deeprec_model_step", "training step of the model served", registry=self.registry)
+        self.updates = Counter("deeprec_model_updates", "online updates applied (deltas or full exports)",
+                               registry=self.registry)
+        self.update_errors = Counter("deeprec_model_update_errors", "online updates that failed (the model "
+                                     "served stays as it was; the error is logged)", registry=self.registry)
 
 
 class Batcher:
@@ -61,7 +70,7 @@ class Batcher:
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._run())
 
-    async def submit(self, batch: dict, rows: int) -> torch.Tensor:
+    async def submit(self, batch: dict, rows: int) -> tuple[torch.Tensor, ServedModel]:
         future = asyncio.get_running_loop().create_future()
         await self.queue.put((batch, rows, future))
         return await future
@@ -80,12 +89,13 @@ class Batcher:
                 pending.append(item)
                 rows += item[1]
             try:
+                model = self.model  # one model per batch: an update swaps it between batches
                 merged = collate([b for b, _, _ in pending]) if len(pending) > 1 else pending[0][0]
-                scores = await loop.run_in_executor(self.scorer, self.model, merged)
+                scores = await loop.run_in_executor(self.scorer, model, merged)
                 self.metrics.batch_rows.observe(rows)
                 start = 0
                 for _, n, future in pending:
-                    future.set_result(scores[start:start + n])
+                    future.set_result((scores[start:start + n], model))
                     start += n
             except Exception as err:  # every waiting request learns of it; the batcher goes on
                 for _, _, future in pending:
@@ -93,10 +103,27 @@ class Batcher:
                         future.set_exception(err)
 
 
-def make_app(model: ServedModel, max_batch: int = 256, max_wait_ms: float = 2.0) -> Starlette:
+def make_app(model: ServedModel, max_batch: int = 256, max_wait_ms: float = 2.0, folder=None,
+             watch_interval_s: float = 1.0) -> Starlette:
+    """`folder` (an ExportFolder): new deltas and full exports in it are applied while serving."""
     metrics = Metrics()
     metrics.step.set(model.step)
     batcher = Batcher(model, metrics, max_batch, max_wait_ms / 1000)
+
+    async def watch() -> None:
+        loop, loader = asyncio.get_running_loop(), ThreadPoolExecutor(1, thread_name_prefix="deeprec-update")
+        while True:
+            await asyncio.sleep(watch_interval_s)
+            try:
+                newer = await loop.run_in_executor(loader, folder.refresh, batcher.model)
+            except Exception as err:  # a bad delta: logged and counted; the model served stays whole
+                metrics.update_errors.inc()
+                log.error("online update failed, still serving step %d: %s", batcher.model.step, err)
+                continue
+            if newer is not None:  # swapped between two batches: a batch reads batcher.model once
+                batcher.model = newer
+                metrics.step.set(newer.step)
+                metrics.updates.inc()
 
     async def predict(request: Request) -> JSONResponse:
         started = time.perf_counter()
@@ -107,9 +134,10 @@ def make_app(model: ServedModel, max_batch: int = 256, max_wait_ms: float = 2.0)
                 raise RequestError(f"the body is not JSON ({err})") from None
             if not isinstance(body, dict) or not isinstance(body.get("inputs"), dict):
                 raise RequestError("the body must be {\"inputs\": {\"column\": [value per row], ...}}")
+            model = batcher.model
             batch = model.batch(body["inputs"])
-            scores = await batcher.submit(batch, batch_rows(batch))
-            code, payload = 200, {"scores": _scores(scores, model.labels), "step": model.step}
+            scores, served = await batcher.submit(batch, batch_rows(batch))
+            code, payload = 200, {"scores": _scores(scores, served.labels), "step": served.step}
         except RequestError as err:
             code, payload = 400, {"error": str(err)}
         metrics.requests.labels(code=str(code)).inc()
@@ -117,6 +145,7 @@ def make_app(model: ServedModel, max_batch: int = 256, max_wait_ms: float = 2.0)
         return JSONResponse(payload, status_code=code)
 
     async def healthz(request: Request) -> JSONResponse:
+        model = batcher.model
         return JSONResponse({"status": "ok", "step": model.step, "model": model.manifest["model"]})
 
     async def prometheus(request: Request) -> Response:
@@ -125,7 +154,10 @@ def make_app(model: ServedModel, max_batch: int = 256, max_wait_ms: float = 2.0)
     @contextlib.asynccontextmanager
     async def lifespan(app):
         batcher.start()
+        watcher = asyncio.get_running_loop().create_task(watch()) if folder is not None else None
         yield
+        if watcher is not None:
+            watcher.cancel()
         batcher.task.cancel()
         batcher.scorer.shutdown(wait=True)
 
@@ -142,12 +174,13 @@ def _scores(scores: torch.Tensor, labels: list[str]):
 
 
 def serve(path: str, host: str = "127.0.0.1", port: int = 8080, max_batch: int = 256,
-          max_wait_ms: float = 2.0, threads: int | None = None) -> None:
+          max_wait_ms: float = 2.0, threads: int | None = None, watch_interval_s: float = 1.0) -> None:
     """Serve the export at `path` until interrupted; prints `listening on http://host:port` when ready.
     `threads`: torch intra-op threads of the scoring thread (default: cores - 1, leaving one core to the
     event loop that parses requests: background + intra-op <= cores)."""
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
-    app = make_app(load(path), max_batch, max_wait_ms)
+    folder = None if os.path.exists(os.path.join(path, MANIFEST)) else ExportFolder(path)  # a training's export dir
+    app = make_app(load(path), max_batch, max_wait_ms, folder, watch_interval_s)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it: no Nagle delay

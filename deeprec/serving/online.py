@@ -1,0 +1,162 @@
+"""Online updates: full exports and incremental deltas in one folder, and a reader that follows it.
+
+    EXPORT_DIR/
+      full-<step>/                       a full export (deeprec.serving.export)
+      delta-<step>.safetensors           EmbeddingVariable rows updated since the previous export
+                                         ("<module path>.keys" / ".values") + every dense weight
+      delta-<step>.json                  {"format", "step", "after": previous export's step, "sha256"}
+
+The trainer writes them (`--export-dir D --export-every N --export-incremental-every M`), each
+atomically (temporary name, then rename; a delta's .json comes last and makes it visible).
+`deeprec serve D` loads the newest full export plus its chain of deltas and, while it runs,
+applies new deltas (or a newer full export) on a copy of the model, then swaps it in between
+two batches: a request is never scored by a half-applied model.
+
+Keys evicted from a training EmbeddingVariable stay in the served index until the next full export.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from deeprec.serving.export import FORMAT, _sha256, export
+from deeprec.serving.frozen import merged
+
+_FULL = re.compile(r"^full-(\d+)$")
+_DELTA = re.compile(r"^delta-(\d+)\.json$")
+
+
+def _variables(model: torch.nn.Module) -> dict:
+    from deeprec.nn.variable import EmbeddingVariable
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, EmbeddingVariable)}
+
+
+class ExportWriter:
+    """Writes a training model's full exports and deltas into `directory`."""
+
+    def __init__(self, directory: str, model: torch.nn.Module, schema, model_name: str, keep: int = 2):
+        self.directory, self.model, self.schema, self.model_name, self.keep = directory, model, schema, model_name, keep
+        self.last_step: int | None = None
+        self._marks: dict[str, int] = {}  # EmbeddingVariable -> its global_step at the last export
+        os.makedirs(directory, exist_ok=True)
+
+    def _mark(self) -> None:
+        self._marks = {name: ev.global_step for name, ev in _variables(self.model).items()}
+
+    def full(self, step: int) -> str:
+        path = export(self.model, os.path.join(self.directory, f"full-{step:09d}"), schema=self.schema,
+                      model_name=self.model_name, step=step)
+        self._mark()
+        self.last_step = step
+        fulls = sorted(n for n in os.listdir(self.directory) if _FULL.match(n))
+        for old in fulls[:-self.keep]:  # with the deltas only they need
+            import shutil
+
+            shutil.rmtree(os.path.join(self.directory, old), ignore_errors=True)
+        oldest = int(_FULL.match(fulls[-self.keep:][0]).group(1))
+        for name in os.listdir(self.directory):
+            m = re.match(r"^delta-(\d+)\.(json|safetensors)$", name)
+            if m and int(m.group(1)) <= oldest:
+                os.unlink(os.path.join(self.directory, name))
+        return path
+
+    def delta(self, step: int) -> str:
+        """The rows updated since the last export, and the dense weights (a full export if none yet)."""
+        if self.last_step is None:
+            return self.full(step)
+        tensors = {}
+        variables = _variables(self.model)
+        for name, ev in variables.items():
+            with ev._lock:
+                rows = torch.nonzero(ev.version[: ev.size] > self._marks.get(name, -1)).squeeze(1)
+                tensors[f"{name}.keys"] = ev.keys[rows].clone()
+                tensors[f"{name}.values"] = ev.weight[rows].clone()
+        for name, t in [*self.model.named_parameters(), *self.model.named_buffers()]:
+            tensors[name] = t.detach().clone().contiguous()
+        base = os.path.join(self.directory, f"delta-{step:09d}")
+        _save_atomic(lambda tmp: save_file(tensors, tmp), base + ".safetensors", self.directory)
+        manifest = {"format": FORMAT, "step": step, "after": self.last_step, "variables": sorted(variables),
+                    "rows": sum(int(tensors[f"{n}.keys"].numel()) for n in variables),
+                    "sha256": _sha256(base + ".safetensors")}
+        _save_atomic(lambda tmp: open(tmp, "w").write(json.dumps(manifest)), base + ".json", self.directory)
+        self._mark()
+        self.last_step = step
+        return base + ".safetensors"
+
+
+def _save_atomic(write, path: str, directory: str) -> None:
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def apply_delta(served, path: str):
+    """A copy of `served` (a ServedModel) with the delta at `path` (its .json) applied."""
+    from deeprec.serving import ServingError
+
+    with open(path) as f:
+        manifest = json.load(f)
+    tensors_path = path[: -len(".json")] + ".safetensors"
+    if _sha256(tensors_path) != manifest["sha256"]:
+        raise ServingError(f"{tensors_path}: corrupt (its sha256 differs from {path})")
+    if manifest["after"] != served.step:
+        raise ServingError(f"{path} follows step {manifest['after']}, the model served is at step {served.step}")
+    tensors = load_file(tensors_path)
+    updated = copy.copy(served)
+    updated.module = copy.deepcopy(served.module)
+    for name in manifest["variables"]:
+        frozen = updated.module.get_submodule(name)
+        keys, values = merged(frozen.sorted_keys, frozen.values, tensors.pop(f"{name}.keys"),
+                              tensors.pop(f"{name}.values"), float(frozen.missing_value))
+        frozen.sorted_keys, frozen.values = keys, values  # the graph reads them by name, whatever their size
+    known = dict(updated.module.state_dict())
+    dense = {k: v for k, v in tensors.items() if k in known}
+    updated.module.load_state_dict(dense, strict=False)
+    updated.step = int(manifest["step"])
+    return updated
+
+
+class ExportFolder:
+    """The newest full export of a folder plus its deltas; `refresh` follows new ones."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+
+    def _fulls(self) -> list[tuple[int, str]]:
+        return sorted((int(m.group(1)), n) for n in os.listdir(self.directory) if (m := _FULL.match(n)))
+
+    def _deltas(self, after: int) -> list[str]:
+        found = sorted((int(m.group(1)), n) for n in os.listdir(self.directory) if (m := _DELTA.match(n)))
+        return [os.path.join(self.directory, n) for step, n in found if step > after]
+
+    def load(self, upto_step: int | None = None):
+        from deeprec.serving import ServedModel, ServingError
+
+        fulls = [(s, n) for s, n in self._fulls() if upto_step is None or s <= upto_step]
+        if not fulls:
+            raise ServingError(f"{self.directory}: no full export (full-<step>/) yet")
+        served = ServedModel(os.path.join(self.directory, fulls[-1][1]))
+        return self._follow(served, upto_step)
+
+    def _follow(self, served, upto_step: int | None = None):
+        for path in self._deltas(served.step):
+            step = int(_DELTA.match(os.path.basename(path)).group(1))
+            if upto_step is not None and step > upto_step:
+                break
+            served = apply_delta(served, path)
+        return served
+
+    def refresh(self, served):
+        """A newer model than `served` (a newer full export, or new deltas applied), or None."""
+        fulls = self._fulls()
+        if fulls and fulls[-1][0] > served.step:
+            return self.load()
+        if self._deltas(served.step):
+            return self._follow(served)
+        return None
