@@ -1,4 +1,5 @@
-"""deeprec serve under load: latency at batch 1 and 256, throughput with 8 concurrent clients.
+"""deeprec serve under load: latency at batch 1 and 256, throughput with 8 concurrent clients, and
+the time to apply an online delta of 100k EmbeddingVariable rows (in process).
 
 A DLRM with EmbeddingVariables, trained briefly on the bundled Criteo sample, is exported and
 served by `deeprec serve` in its own process; this process is the client (httpx), on loopback.
@@ -75,6 +76,40 @@ async def throughput(url: str, rows: dict, batch: int, clients: int, requests: i
             "batch": batch, "requests": done}
 
 
+def delta_apply_seconds(path: str, rows: int = 100_000, repeats: int = 3) -> dict:
+    """Time to apply a delta of `rows` EmbeddingVariable rows (new keys) plus the dense weights."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    import deeprec as dr
+    from deeprec.serving.export import FORMAT, _sha256
+    from deeprec.serving.online import apply_delta
+
+    served = dr.serving.load(path)
+    variables = sorted({k.rsplit(".", 1)[0] for k in served.module.state_dict() if k.endswith(".sorted_keys")})
+    g = torch.Generator().manual_seed(0)
+    per = rows // len(variables)
+    tensors = {}
+    for name in variables:
+        tensors[f"{name}.keys"] = torch.randint(0, 1 << 62, (per,), generator=g)
+        tensors[f"{name}.values"] = torch.randn(per, served.module.get_submodule(name).values.shape[1], generator=g)
+    tensors.update({k: v.clone() for k, v in served.module.state_dict().items()
+                    if not k.endswith((".sorted_keys", ".values", ".missing_value"))})
+    folder = os.path.dirname(path)
+    save_file(tensors, os.path.join(folder, "delta.safetensors"))
+    with open(os.path.join(folder, "delta.json"), "w") as f:
+        json.dump({"format": FORMAT, "step": served.step + 1, "after": served.step, "variables": variables,
+                   "sha256": _sha256(os.path.join(folder, "delta.safetensors"))}, f)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        apply_delta(served, os.path.join(folder, "delta.json"))
+        times.append(time.perf_counter() - start)
+    return {"rows": per * len(variables), "variables": len(variables), "seconds": statistics.median(times)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=300)
@@ -94,13 +129,16 @@ def main() -> None:
         finally:
             server.terminate()
             server.wait(30)
+        results["delta_apply"] = delta_apply_seconds(path)
     batch_rows = [l for l in results["metrics"].splitlines() if l.startswith("deeprec_batch_rows_")
                   and not l.startswith("deeprec_batch_rows_bucket")]
     table = [["latency, batch 1", f"{results['latency_batch1']['p50_ms']:.2f}", f"{results['latency_batch1']['p99_ms']:.2f}", ""],
              ["latency, batch 256", f"{results['latency_batch256']['p50_ms']:.2f}",
               f"{results['latency_batch256']['p99_ms']:.2f}", ""],
              ["8 clients, 1 row each", "", "", f"{results['throughput_8_clients_batch1']['rows_per_s']:,.0f}"],
-             ["8 clients, 64 rows each", "", "", f"{results['throughput_8_clients_batch64']['rows_per_s']:,.0f}"]]
+             ["8 clients, 64 rows each", "", "", f"{results['throughput_8_clients_batch64']['rows_per_s']:,.0f}"],
+             [f"apply a delta of {results['delta_apply']['rows']:,} rows ({results['delta_apply']['variables']} EVs)",
+              f"{results['delta_apply']['seconds'] * 1e3:.0f}", "", ""]]
     print_table(f"deeprec serve, DLRM (EmbeddingVariables), loopback, client in a second process - {cpu_line()}",
                 ["load", "p50 ms", "p99 ms", "rows/s"], table)
     print("\n".join(batch_rows))
