@@ -57,17 +57,25 @@ def _json_rows(path, schema, n):
     return out
 
 
-def test_json_rows_score_as_the_reader_batch(tmp_path):
-    trainer, data = _trained("dlrm", "variable", tmp_path)
-    served = dr.serving.load(dr.export(trainer.model, str(tmp_path / "e"), schema=trainer.schema, step=3))
+@pytest.fixture(scope="module")
+def dlrm_export(tmp_path_factory):
+    """A DLRM with EmbeddingVariables trained 3 steps, and its export (shared: training and export take seconds)."""
+    tmp = tmp_path_factory.mktemp("dlrm")
+    trainer, data = _trained("dlrm", "variable", tmp)
+    return trainer, data, dr.export(trainer.model, str(tmp / "e"), schema=trainer.schema, step=3)
+
+
+def test_json_rows_score_as_the_reader_batch(dlrm_export):
+    trainer, data, path = dlrm_export
+    served = dr.serving.load(path)
     rows = _json_rows(data, trainer.schema, 9)
     batch = next(iter(open_reader([data], 9, schema=trainer.schema)))
     assert torch.equal(served(json.loads(json.dumps(rows))), served(batch))
 
 
-def test_bad_requests_name_the_field(tmp_path):
-    trainer, data = _trained("dlrm", "table", tmp_path)
-    served = dr.serving.load(dr.export(trainer.model, str(tmp_path / "e"), schema=trainer.schema))
+def test_bad_requests_name_the_field(dlrm_export):
+    trainer, data, path = dlrm_export
+    served = dr.serving.load(path)
     rows = _json_rows(data, trainer.schema, 2)
     with pytest.raises(RequestError, match="field 'C3' is missing"):
         served({k: v for k, v in rows.items() if k != "C3"})
@@ -79,9 +87,11 @@ def test_bad_requests_name_the_field(tmp_path):
         served({**rows, "nope": [1, 2]})
 
 
-def test_a_corrupt_export_is_refused_naming_the_file(tmp_path):
-    trainer, _ = _trained("dlrm", "table", tmp_path)
-    path = dr.export(trainer.model, str(tmp_path / "e"), schema=trainer.schema)
+def test_a_corrupt_export_is_refused_naming_the_file(dlrm_export, tmp_path):
+    import shutil
+
+    path = str(tmp_path / "copy")
+    shutil.copytree(dlrm_export[2], path)
     with open(f"{path}/tables.safetensors", "r+b") as f:
         f.seek(200)
         f.write(b"\x00" * 64)
