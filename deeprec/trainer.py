@@ -266,13 +266,17 @@ class Trainer:
         elif (cfg.export_incremental_every and step % cfg.export_incremental_every == 0) or final:
             self.exports.delta(step)
 
-    def _evaluate_now(self, progress) -> None:
-        """--eval-every: one pass over the evaluation data from its start, in bounded memory."""
-        if not self.cfg.is_chief:
-            return
+    def _evaluate(self) -> dict:
+        """One pass over the evaluation data from its start, in bounded memory."""
         self.updater.prepare_eval()
         self.eval_reader.load_state_dict(self._eval_start)
-        metrics = evaluate(self.model, self.eval_reader)
+        return evaluate(self.model, self.eval_reader)
+
+    def _evaluate_now(self, progress) -> None:
+        """--eval-every: evaluate during training and keep the result."""
+        if not self.cfg.is_chief:
+            return
+        metrics = self._evaluate()
         self.eval_history.append({"step": self.step, **metrics})
         progress.console.print(f"step {self.step} eval auc {metrics['auc']:.4f} logloss {metrics['logloss']:.4f} "
                                f"({metrics['rows']} rows)")
@@ -350,9 +354,7 @@ class Trainer:
         if self.eval_history:
             result["eval_history"] = self.eval_history
         if self.eval_reader is not None and cfg.is_chief:
-            self.updater.prepare_eval()
-            self.eval_reader.load_state_dict(self._eval_start)
-            result["eval"] = evaluate(self.model, self.eval_reader)
+            result["eval"] = self._evaluate()
         return result
 
 

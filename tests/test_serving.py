@@ -7,7 +7,8 @@ import torch
 import deeprec as dr
 from deeprec.cli import sample_path
 from deeprec.data import open_reader
-from deeprec.serving import RequestError, ServingError, _repeat_row
+from deeprec.data.collate import collate
+from deeprec.serving import RequestError, ServingError
 from deeprec.trainer import TrainConfig, Trainer
 
 SAMPLES = {"din": "movielens_sample.txt", "mmoe": "byterec_sample.txt"}
@@ -34,7 +35,7 @@ def test_export_scores_exactly_as_evaluation(tmp_path, model, embedding):
     for size in (50, 7, 1):  # any batch size, one row included
         batch = next(iter(open_reader([data], size, schema=trainer.schema)))
         # a 1-row request is scored as the row twice (torch.export specializes size 1): compare on that batch
-        same = _repeat_row(batch) if size == 1 else batch
+        same = collate([batch, batch]) if size == 1 else batch
         with torch.no_grad():
             want = trainer.model(same)["logits"][:size]
         assert torch.equal(served.logits(batch), want), size  # exact on CPU fp32

@@ -14,6 +14,7 @@ import pyarrow as pa
 import torch
 from safetensors.torch import load_file
 
+from deeprec.data.collate import collate
 from deeprec.data.schema import schema_from_dict
 from deeprec.errors import DeepRecError
 from deeprec.serving.export import FORMAT, MANIFEST, PROGRAM, TABLES, _sha256, export
@@ -96,7 +97,7 @@ class ServedModel:
             batch.setdefault(name, torch.zeros(rows))
         batch = {c.name: batch[c.name] for c in self.schema.columns if c.kind != "ignore"}
         if rows == 1:  # torch.export specializes sizes 0 and 1: score the row twice
-            out = self.module(_repeat_row(batch))["logits"][:1]
+            out = self.module(collate([batch, batch]))["logits"][:1]
         else:
             out = self.module(batch)["logits"]
         return out
@@ -129,18 +130,6 @@ def batch_rows(batch: dict) -> int:
         if hasattr(value, "rows"):
             return value.rows
     raise RequestError("empty batch")
-
-
-def _repeat_row(batch: dict) -> dict:
-    from deeprec.ragged import Ragged
-
-    out = {}
-    for name, value in batch.items():
-        if isinstance(value, Ragged):
-            out[name] = Ragged.cat([value, value])
-        else:
-            out[name] = torch.cat([value, value])
-    return out
 
 
 def _arrow_column(c, values: list) -> pa.Array:

@@ -16,6 +16,7 @@ import copy
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 
 import pyarrow as pa
@@ -96,16 +97,10 @@ def export(model: torch.nn.Module, path: str, *, schema: Schema | None = None, m
         old = path.rstrip("/") + f".old-{os.getpid()}"
         os.replace(path, old)
         os.replace(staging, path)
-        _remove_tree(old)
+        shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(staging, path)
     return path
-
-
-def _remove_tree(path: str) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
 
 
 __all__ = ["export", "example_batch", "FORMAT"]

@@ -20,6 +20,7 @@ import copy
 import json
 import os
 import re
+import shutil
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -56,8 +57,6 @@ class ExportWriter:
         self.last_step = step
         fulls = sorted(n for n in os.listdir(self.directory) if _FULL.match(n))
         for old in fulls[:-self.keep]:  # with the deltas only they need
-            import shutil
-
             shutil.rmtree(os.path.join(self.directory, old), ignore_errors=True)
         oldest = int(_FULL.match(fulls[-self.keep:][0]).group(1))
         for name in os.listdir(self.directory):
