@@ -424,9 +424,9 @@ def test_pin_cores_pins_the_communication_threads(monkeypatch):
     try:
         client = PSClient([address], deadline_s=20)
         client.wait_ready()
-        client.register({"emb": 4}, {})  # starts a handler thread and the shard thread
+        client.register({"emb": 4}, {})  # starts a handler thread
         expected = str(allowed[1 % len(allowed)])
-        assert _affinities(proc.pid).count(expected) >= 2  # PS 1 of 2, one core each: its second core
+        assert _affinities(proc.pid).count(expected) >= 1  # PS 1 of 2, one core each: its second core
         client.close()
     finally:
         proc.kill()

@@ -34,6 +34,21 @@ def test_growth_keeps_every_row_and_its_slots():
     assert torch.equal(arena.slots["accumulator"][new_rows], torch.full((3, 3), 0.1))  # fresh slots at their init
 
 
+def test_reserved_arena_grows_in_place_and_counts_only_rows_in_use():
+    arena = EmbeddingArena(3, sparse.Adagrad(lr=0.1), reserve_bytes=64 << 20)
+    assert arena.capacity == (64 << 20) // arena.bytes_per_row()  # address space, not memory
+    var = arena.add("t", torch.randn(5, 3))
+    weight, empty = arena.weight.data_ptr(), arena.memory()
+    rows, _ = arena.rows(torch.full((20_000,), var), torch.arange(20_000), insert=True)
+    assert arena.weight.data_ptr() == weight  # grown without a copy
+    assert torch.equal(arena.gather(rows[:5]), arena._default_matrix[torch.arange(5)])
+    # the rows in use are counted (and the index), not the reservation
+    assert 20_000 * arena._row_bytes() < arena.memory() - empty < 20_000 * (arena._row_bytes() + 64)
+    state = ShardState(0, 1, max_memory=1 << 30)
+    state.register({"variables": [{"name": "e", "kind": "embedding", "dim": 8}]}, {})
+    assert state.memory() < 1 << 20  # registering reserves, it does not commit
+
+
 def test_arena_update_equals_the_row_sparse_optimizer_on_a_plain_table():
     torch.manual_seed(0)
     defaults = torch.randn(7, 4)

@@ -1,8 +1,9 @@
 """A parameter-server shard over gRPC (StarServer's PS side).
 
     gRPC threads (NETWORK_PS_CORE_NUMBER): decode + validate a request
-        ──> the shard thread (one per PS: the only code that touches the
-            variables, so the hot path takes no lock) ──> encode the reply
+        ──> run it holding the shard's lock (one request at a time touches the
+            variables; run in place, with no hand-over to another thread: a
+            hand-over costs two thread switches a call) ──> encode the reply
 
 The shard owns the keys `key % 1000 % num_shards == shard_index` of every
 embedding variable and the dense variables assigned to it. Requests and replies
@@ -32,12 +33,11 @@ GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receiv
 
 
 class PSServicer:
-    """gRPC handlers: decode and validate on gRPC threads, run on the shard thread."""
+    """gRPC handlers: decode, validate and run on gRPC threads, one request at a time on the variables."""
 
-    def __init__(self, state: ShardState, cores: set[int] | None = None, threads: int = 8):
+    def __init__(self, state: ShardState, threads: int = 8):
         self.state = state
-        self.shard = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deeprec-ps-shard",
-                                                           initializer=pin_current_thread, initargs=(cores,))
+        self.lock = threading.Lock()  # the variables: one request at a time
         self.applied = threading.Condition()
         # sync pulls wait on gRPC threads: at most half of them, so other calls (Health) are always served
         self.waiters = threading.BoundedSemaphore(max(1, threads // 2))
@@ -61,12 +61,13 @@ class PSServicer:
     def _call(self, method: str, request: bytes, context) -> bytes:
         try:
             header, tensors = unpack(request)
-            if method == "Health":  # answered here, never queued behind the shard thread
+            if method == "Health":  # answered here, never waits for the shard's lock
                 s = self.state
                 return pack({"shard": s.shard_index, "generation": s.generation, "applied_step": s.applied_step}, {})
             if header.get("after_step") is not None:
                 self._wait_applied(header["after_step"], context)
-            reply_header, reply_tensors = self.shard.submit(self._run, method, header, tensors).result()
+            with self.lock:
+                reply_header, reply_tensors = self._run(method, header, tensors)
             if method in ("Push", "PushPull"):
                 with self.applied:
                     self.applied.notify_all()
@@ -126,7 +127,7 @@ def serve(bind: str, shard_index: int, num_shards: int, threads: int | None = No
     interceptors = (security.TokenInterceptor(token),) if token else ()
     server = grpc.server(pool, options=GRPC_OPTIONS, interceptors=interceptors)
     state = ShardState(shard_index, num_shards, max_memory=max_memory, max_dim=max_dim)
-    server.add_generic_rpc_handlers((PSServicer(state, cores, threads).handler(),))
+    server.add_generic_rpc_handlers((PSServicer(state, threads).handler(),))
     port = server.add_secure_port(bind, credentials) if credentials is not None else server.add_insecure_port(bind)
     if port == 0:
         raise OSError(f"cannot bind the PS to {bind}")

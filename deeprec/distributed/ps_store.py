@@ -6,7 +6,9 @@
     DenseGroup       every dense variable of one optimizer: one flat buffer, one optimizer step
 
 Rows are never moved except by `load` (which rebuilds the arena), so a row number
-stays valid between a pull and the push of the same step.
+stays valid between a pull and the push of the same step. The arrays are reserved for the
+shard's whole memory budget (address space, committed as rows are written), so an insert
+never copies the arena; only the index is rebuilt, when it passes half full.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import deeprec._C  # noqa: F401  (registers torch.ops.deeprec.ps_index_*)
 from deeprec.nn.variable import shard_of
 from deeprec.optim import sparse
 from deeprec.optim.sparse import merge_rows
+from deeprec.runtime.memory import reserved_empty
 
 _INDEX_BYTES = 32  # 2 table slots per row (kept <= half full) x 16 bytes
 
@@ -23,24 +26,36 @@ _INDEX_BYTES = 32  # 2 table slots per row (kept <= half full) x 16 bytes
 class EmbeddingArena:
     """The embedding variables of one dim and optimizer: rows of all of them in one arena."""
 
-    def __init__(self, dim: int, optimizer: sparse.RowSparseOptimizer, capacity: int = 1024):
+    def __init__(self, dim: int, optimizer: sparse.RowSparseOptimizer, capacity: int = 1024,
+                 reserve_bytes: int = 0):
         self.dim, self.optimizer = dim, optimizer
+        # rows whose address space is reserved up front (the shard's memory budget in rows):
+        # the arena then grows without copying, its pages committed as rows are written
+        self.reserve_rows = reserve_bytes // self.bytes_per_row()
         self.names: list[str] = []  # variable id (the key's namespace) -> name
         self._defaults: list[torch.Tensor] = []  # per variable: a new key k starts as defaults[k % n]
         self._default_matrix = torch.zeros(0, dim)
         self._default_offset = self._default_count = torch.zeros(0, dtype=torch.int64)
         self._allocate(capacity)
 
-    def _allocate(self, capacity: int) -> None:
+    def _allocate(self, rows: int) -> None:
         self.size = 0
-        self.table = torch.full((_table_size(capacity),), -1, dtype=torch.int64)
-        self.row_ns = torch.empty(capacity, dtype=torch.int64)
-        self.row_keys = torch.empty(capacity, dtype=torch.int64)
-        self.weight = torch.empty(capacity, self.dim)
-        self.freq = torch.empty(capacity, dtype=torch.int64)
-        self.version = torch.empty(capacity, dtype=torch.int64)
+        self.table = torch.full((_table_size(rows),), -1, dtype=torch.int64)
+        if rows < self.reserve_rows:
+            try:
+                return self._arrays(self.reserve_rows, reserved_empty)
+            except OSError:  # address space refused (strict overcommit): grow by doubling
+                self.reserve_rows = 0
+        self._arrays(rows, lambda shape, dtype: torch.empty(shape, dtype=dtype))
+
+    def _arrays(self, capacity: int, empty) -> None:
+        self.row_ns = empty((capacity,), torch.int64)
+        self.row_keys = empty((capacity,), torch.int64)
+        self.weight = empty((capacity, self.dim), torch.float32)
+        self.freq = empty((capacity,), torch.int64)
+        self.version = empty((capacity,), torch.int64)
         # rows past `size` are uninitialized: an insert sets a row and its slots
-        self.slots = {name: torch.empty((capacity, self.dim) if per_element else (capacity,))
+        self.slots = {name: empty((capacity, self.dim) if per_element else (capacity,), torch.float32)
                       for name, (_, per_element) in self.optimizer.slot_specs().items()}
 
     @property
@@ -57,11 +72,17 @@ class EmbeddingArena:
         return len(self.names) - 1
 
     def bytes_per_row(self) -> int:
+        """A row's bytes, its index entry included (the index is kept <= half full)."""
+        return self._row_bytes() + _INDEX_BYTES
+
+    def _row_bytes(self) -> int:
         per_element = sum(self.dim if e else 1 for _, e in self.optimizer.slot_specs().values())
-        return 4 * self.dim + 4 * per_element + 8 * 4 + _INDEX_BYTES
+        return 4 * self.dim + 4 * per_element + 8 * 4
 
     def memory(self) -> int:
-        return self.capacity * self.bytes_per_row() + self._default_matrix.numel() * 4
+        """Bytes held: the rows in use (a reserved arena commits no more) or allocated, and the index."""
+        rows = self.size if self.reserve_rows else self.capacity
+        return rows * self._row_bytes() + 8 * self.table.numel() + self._default_matrix.numel() * 4
 
     def _reserve(self, n: int) -> None:
         """Room for n more rows (arrays doubled, the index rehashed, when needed)."""

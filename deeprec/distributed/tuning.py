@@ -5,7 +5,7 @@ gRPC in Python can honour them.
                                 (default min(8, connections); connections = workers)
     NETWORK_WORKER_CORE_NUMBER  worker threads that encode requests and decode replies
                                 (default min(2, connections); connections = PSs)
-    PS_DISABLE_PIN_CORES        "False": pin those PS threads (and the shard thread)
+    PS_DISABLE_PIN_CORES        "False": pin those PS threads
     WORKER_DISABLE_PIN_CORES    "False": pin the worker's communication threads
                                 (both default "True": no pinning, as in DeepRec)
     PS_ENABLE_POLLING           accepted and validated; busy polling does not apply:

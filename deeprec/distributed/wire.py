@@ -42,6 +42,8 @@ def pack(header: dict, tensors: dict[str, torch.Tensor] | None = None) -> bytes:
         parts.append(memoryview(view).cast("B"))
         offset += view.nbytes
     head = json.dumps({**header, "tensors": specs}).encode()
+    head += b" " * (-(_LEN.size + len(head)) % _ALIGN)  # JSON allows trailing blanks: the payload
+    # then starts aligned, so a received tensor is a view (a bytes object's data is 16-aligned)
     return b"".join([_LEN.pack(len(head)), head, *parts])
 
 
