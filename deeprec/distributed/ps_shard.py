@@ -25,6 +25,7 @@ from deeprec.distributed.tuning import core_number, pin_cores, pin_current_threa
 from deeprec.distributed.ps_state import MAX_DIM, MAX_WAIT_S, ResourceExhausted, ShardState, int_field
 from deeprec.distributed.wire import WireError, pack, unpack
 from deeprec.errors import ConfigError
+from deeprec.runtime.memory import tune_malloc
 
 SERVICE = "deeprec.PS"
 METHODS = ("Register", "Pull", "Push", "PushPull", "Export", "Load", "Health")
@@ -152,6 +153,10 @@ def main(argv=None) -> int:
                         help="memory budget of the shard's variables (default: 80%% of RAM); past it, "
                              "Register and inserting pulls get RESOURCE_EXHAUSTED")
     parser.add_argument("--max-dim", type=int, default=MAX_DIM, help="largest embedding dim a Register may ask for")
+    parser.add_argument("--no-malloc-tuning", action="store_true",
+                        help="keep glibc malloc's defaults (by default the PS keeps freed memory mapped: each "
+                             "call's megabyte-sized messages then reuse pages instead of faulting fresh ones in; "
+                             "measured 8.7 -> 6.6 ms of PS CPU per step with dense on the PS)")
     args = parser.parse_args(argv)
     try:
         return _run_shard(args)
@@ -172,6 +177,8 @@ def _run_shard(args) -> int:
     args.shard = 0 if args.shard is None else args.shard
     args.num_shards = 1 if args.num_shards is None else args.num_shards
     torch.set_num_threads(1)
+    if not args.no_malloc_tuning:
+        tune_malloc()
     server, port = serve(args.bind, args.shard, args.num_shards, args.threads, connections=args.workers or 8,
                          max_memory=args.max_memory, max_dim=args.max_dim, token=security.read_token(args.token_file),
                          credentials=security.server_credentials(args.tls_cert, args.tls_key, args.tls_ca),
