@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from deeprec.errors import ConfigError
+from deeprec.errors import ConfigError, check_choice
 
 
 @dataclass
@@ -85,8 +85,47 @@ class L2WeightEvict:
     l2_weight_threshold: float
 
 
+TIERS = (("dram",), ("dram", "ssd"))
+CACHE_POLICIES = ("lfu", "lru")
+
+
+@dataclass
+class StorageOption:
+    """Where an EmbeddingVariable's rows live (DeepRec's StorageOption / CacheStrategy).
+
+    tiers: ["dram"] (everything in memory), or ["dram", "ssd"]: at most `dram_bytes` of rows
+    (values, optimizer slots, bookkeeping) in a DRAM cache, the others in a row file under
+    `path` (default: the system's temporary directory). cache: which rows leave DRAM when it
+    is full, the least frequently ("lfu") or least recently ("lru") used. prefetch: under
+    SmartStage, move the next batch's rows into DRAM while the current batch trains.
+    protect_steps: rows used by the last this many lookups are never evicted (their update
+    may still be in flight)."""
+
+    tiers: list[str] = field(default_factory=lambda: ["dram"])
+    dram_bytes: int | None = None
+    path: str | None = None
+    cache: str = "lfu"
+    prefetch: bool = True
+    protect_steps: int = 4
+
+    def __post_init__(self):
+        if tuple(self.tiers) not in TIERS:
+            raise ConfigError(f"StorageOption.tiers={self.tiers!r} is not allowed; choose one of "
+                              f"{', '.join(str(list(t)) for t in TIERS)}")
+        check_choice("StorageOption.cache", self.cache, CACHE_POLICIES)
+        if self.tiered and (not isinstance(self.dram_bytes, int) or self.dram_bytes <= 0):
+            raise ConfigError(f"StorageOption.dram_bytes must be a positive int with an ssd tier, got {self.dram_bytes!r}")
+        if not isinstance(self.protect_steps, int) or self.protect_steps < 1:
+            raise ConfigError(f"StorageOption.protect_steps must be an int >= 1, got {self.protect_steps!r}")
+
+    @property
+    def tiered(self) -> bool:
+        return "ssd" in self.tiers
+
+
 @dataclass
 class EmbeddingVariableOption:
     init_option: InitializerOption = field(default_factory=InitializerOption)
     filter_option: CounterFilter | CBFFilter | None = None
     evict_option: GlobalStepEvict | L2WeightEvict | None = None
+    storage: StorageOption = field(default_factory=StorageOption)

@@ -93,6 +93,13 @@ def _grown(t: torch.Tensor, size: int) -> torch.Tensor:
 
 
 class EmbeddingVariable(nn.Module):
+    def __new__(cls, *args, ev_option: EmbeddingVariableOption | None = None, **kwargs):
+        if cls is EmbeddingVariable and ev_option is not None and ev_option.storage.tiered:
+            from deeprec.nn.tiered import TieredEmbeddingVariable  # rows in DRAM and on disk
+
+            cls = TieredEmbeddingVariable
+        return super().__new__(cls)
+
     def __init__(self, embedding_dim: int, *, key_dtype: torch.dtype = torch.int64,
                  ev_option: EmbeddingVariableOption | None = None, name: str | None = None,
                  shard_index: int = 0, num_shards: int = 1, initial_capacity: int = 1024):
@@ -229,13 +236,17 @@ class EmbeddingVariable(nn.Module):
             fresh[: self.size] = slot[: self.size]
             self.slots[name] = fresh
 
+    def _new_rows(self, n: int) -> tuple[torch.Tensor, slice | torch.Tensor]:
+        """n free rows, as a tensor and as what indexes them fastest (new rows are contiguous here:
+        a slice; a tiered variable reuses rows), their optimizer slots at their initial values."""
+        self._grow(self.size + n)
+        return torch.arange(self.size, self.size + n, dtype=torch.int64), slice(self.size, self.size + n)
+
     def _insert(self, keys: torch.Tensor) -> torch.Tensor:
         n = keys.numel()
-        self._grow(self.size + n)
-        new = slice(self.size, self.size + n)  # new rows are contiguous: slice writes, no index tensors
-        rows = torch.arange(self.size, self.size + n, dtype=torch.int64)
+        rows, new = self._new_rows(n)
         self.keys[new] = keys
-        torch.index_select(self._defaults, 0, torch.remainder(keys, self._defaults.shape[0]), out=self.weight[new])
+        self.weight[new] = torch.index_select(self._defaults, 0, torch.remainder(keys, self._defaults.shape[0]))
         self.freq[new] = 0
         self.version[new] = self.global_step
         self.dirty[new] = True
@@ -364,6 +375,15 @@ class EmbeddingVariable(nn.Module):
                  "freq": self.freq[rows].clone(), "version": self.version[rows].clone()}
         state.update({f"slot.{name}": slot[rows].clone() for name, slot in self.slots.items()})
         return state
+
+    def snapshot(self, after_version: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) of every row, or of the rows updated after step `after_version`, copied
+        under the lock with no side effect (serving reads them; a checkpoint uses `export`)."""
+        with self._lock:
+            live = torch.arange(self.size)
+            if after_version is not None:
+                live = live[self.version[: self.size] > after_version]
+            return self.keys[live].clone(), self.weight[live].clone()
 
     def export(self, incremental: bool = False) -> dict:
         """Keys, values, slots, frequencies and versions of every row (or only the

@@ -27,8 +27,7 @@ class FrozenEmbeddingVariable(nn.Module):
 
     @classmethod
     def from_variable(cls, ev) -> "FrozenEmbeddingVariable":
-        with ev._lock:  # the rows as evaluation reads them now (no eviction, checkpoint state untouched)
-            keys, values = ev.keys[: ev.size].clone(), ev.weight[: ev.size].clone()
+        keys, values = ev.snapshot()  # the rows as evaluation reads them now (checkpoint state untouched)
         return cls(keys, values, ev._no_permission)
 
     def gather(self, keys: torch.Tensor) -> torch.Tensor:

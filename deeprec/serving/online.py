@@ -72,10 +72,7 @@ class ExportWriter:
         tensors = {}
         variables = _variables(self.model)
         for name, ev in variables.items():
-            with ev._lock:
-                rows = torch.nonzero(ev.version[: ev.size] > self._marks.get(name, -1)).squeeze(1)
-                tensors[f"{name}.keys"] = ev.keys[rows].clone()
-                tensors[f"{name}.values"] = ev.weight[rows].clone()
+            tensors[f"{name}.keys"], tensors[f"{name}.values"] = ev.snapshot(after_version=self._marks.get(name, -1))
         for name, t in [*self.model.named_parameters(), *self.model.named_buffers()]:
             tensors[name] = t.detach().clone().contiguous()
         base = os.path.join(self.directory, f"delta-{step:09d}")
