@@ -18,6 +18,7 @@ from rich.table import Table
 
 from deeprec.errors import ConfigError, DeepRecError
 from deeprec.models import MODELS
+from deeprec.nn.tiered import describe_tiers
 
 SAMPLE = "criteo_sample.txt"
 MODEL_SAMPLES = {"din": "movielens_sample.txt", "dien": "movielens_sample.txt", "dssm": "movielens_sample.txt",
@@ -111,6 +112,8 @@ def cmd_train(args, console: Console) -> int:
         st = result["stage"]
         table.add_row("smart stage", f"{st['taken']} batches staged ahead, {st['dropped']} dropped, "
                                      f"{st['ignored']} ignored")
+    if "tiers" in result:
+        table.add_row("tiered storage", describe_tiers(result["tiers"]).split(": ", 1)[1])
     if result["bad_rows"]:
         table.add_row("bad rows skipped", str(result["bad_rows"]))
     if "eval" in result:

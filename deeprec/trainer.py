@@ -32,7 +32,8 @@ from deeprec.data import open_reader, resolve_schema, schema_to_dict
 from deeprec.errors import CheckpointError, ConfigError, NonFiniteError
 from deeprec.metrics import evaluate
 from deeprec.models import MODELS, build_model
-from deeprec.nn import incremental_state_dict
+from deeprec.nn import EmbeddingVariable, StorageOption, incremental_state_dict
+from deeprec.nn.tiered import tier_summary, use_storage
 from deeprec.runtime import optimize
 from deeprec.runtime.updater import make_updater
 from deeprec.runtime.memory import tune_malloc
@@ -82,6 +83,16 @@ class TrainConfig:
     progress: bool = option(True, "show a progress bar on a terminal")
     embedding: str | None = option(None, "fused hashed tables (default), EmbeddingVariables (no buckets), or "
                                    "nn.Embedding", choices=EMBEDDINGS)
+    storage: str = option("dram", "where EmbeddingVariable rows live (with --embedding variable): all in DRAM, or "
+                          "at most --dram-bytes of them in a DRAM cache over a disk tier in --storage-path",
+                          choices=("dram", "ssd"))
+    dram_bytes: int | None = option(None, "--storage ssd: bytes of rows (values, optimizer slots) kept in DRAM, "
+                                    "shared evenly by the EmbeddingVariables")
+    storage_path: str | None = option(None, "--storage ssd: folder of the disk tier (default: the temp folder)")
+    cache: str = option("lfu", "--storage ssd: rows that leave DRAM first, least frequently or recently used",
+                        choices=("lfu", "lru"))
+    storage_prefetch: bool = option(True, "--storage ssd with SmartStage: the stage moves the next batch's rows "
+                                    "from disk into DRAM while the current batch trains")
     flush_denormal: bool = option(True, "flush denormal floats (tiny embedding weights slow CPU math ~2x)")
     malloc_tuning: bool = option(False, "glibc mallopt: keep freed memory mapped (halves page faults per step)")
     protocol: str = option("star_server", "parameter-server protocol of a PS worker (TF_CONFIG set)",
@@ -118,6 +129,12 @@ class TrainConfig:
         if self.ps_addresses and self.embedding not in (None, "variable"):
             raise ConfigError("parameter-server training keeps embeddings as EmbeddingVariables: "
                               f"embedding={self.embedding!r} is not supported there")
+        if self.storage == "ssd":
+            if self.embedding != "variable" or self.ps_addresses:
+                raise ConfigError("storage='ssd' tiers EmbeddingVariables of local training: give "
+                                  "embedding='variable' (PS shards keep their rows in DRAM)")
+            if not self.dram_bytes or self.dram_bytes <= 0:
+                raise ConfigError(f"storage='ssd' needs dram_bytes > 0 (the DRAM cache's budget), got {self.dram_bytes!r}")
         if (self.export_every or self.export_incremental_every) and not self.export_dir:
             raise ConfigError("export_every / export_incremental_every need export_dir")
         if self.optimize.async_embedding and not self.ps_addresses:
@@ -181,6 +198,10 @@ class Trainer:
             self.model_overrides["embedding"] = cfg.embedding or "variable"
         self.schema = resolve_schema(cfg.data, cfg.schema)  # the model is built over the data's columns
         self.model = build_model(cfg.model, schema=self.schema, **self.model_overrides)
+        if cfg.storage == "ssd":  # applied from outside: the model is written plainly
+            variables = sum(isinstance(m, EmbeddingVariable) for m in self.model.modules())
+            use_storage(self.model, StorageOption(tiers=["dram", "ssd"], dram_bytes=max(1, cfg.dram_bytes // max(1, variables)),
+                                                  path=cfg.storage_path, cache=cfg.cache, prefetch=cfg.storage_prefetch))
         self.updater = make_updater(self.model, cfg.optimizer, cfg.lr, cfg.ps_addresses, cfg.protocol,
                                     sync_workers=cfg.num_shards if cfg.sync else 1, worker_index=cfg.shard_index,
                                     num_workers=cfg.num_shards, dense=cfg.dense, master=cfg.master)
@@ -344,6 +365,9 @@ class Trainer:
                   "bad_rows": self.train_reader.stats.bad_rows, "skipped_nonfinite": self.skipped_nonfinite}
         if self.fast.prefetch_stats is not None:
             result["stage"] = asdict(self.fast.prefetch_stats)
+        tiers = tier_summary(self.model)
+        if tiers is not None:
+            result["tiers"] = tiers
         if self.malloc_note:
             result["malloc"] = self.malloc_note
         if self.fast.bf16_note:

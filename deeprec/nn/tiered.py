@@ -209,7 +209,8 @@ class TieredEmbeddingVariable(EmbeddingVariable):
             return super().current_rows(rows, generation)
         if generation.generation != self.generation:  # a full load since: the rows mean nothing now
             return torch.full_like(rows, -1)
-        self._tick += 1
+        # no new tick: rows found for one update (FusedLookup.step finds several lookups' rows
+        # before it applies them) stay protected from each other's promotions
         self._make_resident(generation.keys[generation.admitted])
         found = torch.from_numpy(self._index.lookup(generation.keys.numpy()))
         found[~generation.admitted] = -1  # not admitted at lookup: no update, as in DRAM
@@ -298,6 +299,7 @@ class TieredEmbeddingVariable(EmbeddingVariable):
         if into_dram.numel():
             rows[into_dram] = self._take_rows(into_dram.numel())
             self.occupied[rows[into_dram]] = True
+            self.last_used[rows[into_dram]] = self._tick - self.option.storage.protect_steps  # evictable
             self._index.insert(keys[into_dram].numpy(), rows[into_dram].numpy())
             self.size += into_dram.numel()
             cached[into_dram] = True
@@ -360,6 +362,16 @@ def tier_summary(model: torch.nn.Module) -> dict | None:
     total["hit_rate"] = total["hits"] / looked if looked else 1.0
     total["variables"] = len(tiered)
     return total
+
+
+def describe_tiers(total: dict) -> str:
+    """One line for explain() and the run summary."""
+    mb = 1 << 20
+    return (f"tiered storage ({total['variables']} EmbeddingVariables): DRAM {total['dram_rows']:,} rows "
+            f"({total['dram_bytes'] / mb:,.1f} MB budget), disk {total['disk_rows']:,} rows "
+            f"({total['disk_bytes'] / mb:,.1f} MB); hit rate {total['hit_rate']:.1%}; read "
+            f"{total['bytes_read'] / mb:,.1f} MB ({total['disk_reads']:,} rows at lookup, {total['prefetched']:,} "
+            f"prefetched), written {total['bytes_written'] / mb:,.1f} MB")
 
 
 def use_storage(model: torch.nn.Module, storage: StorageOption) -> int:

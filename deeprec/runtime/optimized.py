@@ -25,6 +25,7 @@ from deeprec.graph.capture import capture
 from deeprec.graph.markers import staged
 from deeprec.graph.smart_stage import StagePartition, smart_stage_pass
 from deeprec.graph.multi_stream import stream_summary
+from deeprec.nn.tiered import describe_tiers, tier_summary
 from deeprec.runtime.auto_stage import run_auto
 from deeprec.runtime.hardware import fast_bf16
 from deeprec.runtime.main_step import MainStep
@@ -61,6 +62,8 @@ class OptimizedModel(nn.Module):
         self.async_lookups: list[tuple[nn.Module, int]] = []  # (FusedLookup, index of its keys in the cut)
         if config.async_embedding:
             self.async_lookups = _async_lookups(self.graph_module, self.partition)
+        # tiered EmbeddingVariables: the stage promotes batch t+1's rows from disk while batch t trains
+        self.tier_lookups = _tier_lookups(self.graph_module, self.partition)
         self.main_step: MainStep | None = None  # streams / compile / bf16 applied to the step's graph
         if (config.multi_stream is not None and config.multi_stream.policy != "none") or config.graph_fusion \
                 or config.bf16 or config.tf32:
@@ -159,7 +162,8 @@ class OptimizedModel(nn.Module):
                 self.last_source_state = reader.state_dict() if hasattr(reader, "state_dict") else None
                 yield out
             return
-        if self.config.smart_stage_options.executor == "auto" and n == 1 and not self.async_lookups:
+        if self.config.smart_stage_options.executor == "auto" and n == 1 and not (self.async_lookups or
+                                                                                  self.tier_lookups):
             step = (lambda item: self._accumulate([item], [1])) if backward else self
             for out, state in run_auto(self, reader, step, before_step):
                 self.last_source_state = state
@@ -215,7 +219,8 @@ class PrefetchHook:
         main_threads = self.main_threads or cfg.main_threads or max(1, (os.cpu_count() or 1) - stage_threads)
         self._saved_threads = torch.get_num_threads()
         torch.set_num_threads(main_threads)  # background + intra-op <= cores
-        after_stage = _start_pulls(self.fast.async_lookups) if self.fast.async_lookups else None
+        after_stage = _start_pulls(self.fast.async_lookups, self.fast.tier_lookups) \
+            if self.fast.async_lookups or self.fast.tier_lookups else None
         self.runner = PrefetchRunner(self.reader, self.fast.partition.stage, opts, pool=pool,
                                      transfer=transfer, after_stage=after_stage, name=opts.name)
         return self
@@ -254,12 +259,34 @@ def _async_lookups(gm: torch.fx.GraphModule, partition: StagePartition | None) -
     return found
 
 
-def _start_pulls(lookups: list):
-    """after_stage callback: pull each remote lookup's rows for the batch just staged."""
+def _tier_lookups(gm: torch.fx.GraphModule, partition: StagePartition | None) -> list:
+    """Fused lookups of tiered EmbeddingVariables (with StorageOption.prefetch) whose keys come
+    out of the stage, with their index in the cut."""
+    cut = partition.cut if partition is not None and partition.stage is not None else []
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        module = gm.get_submodule(node.target)
+        tiered = [ev.option.storage.prefetch and hasattr(ev, "prefetch_rows") for ev in getattr(module, "variables", ())]
+        keys = node.args[0] if node.args else None
+        if any(tiered) and isinstance(keys, torch.fx.Node) and keys.name in cut:
+            found.append((module, cut.index(keys.name)))
+    return found
+
+
+def _start_pulls(lookups: list, tier_lookups: list = ()):
+    """after_stage callback: pull each remote lookup's rows for the batch just staged, and
+    promote each tiered lookup's rows from disk into DRAM."""
     def pull(values: tuple) -> None:
         for lookup, index in lookups:
             with record_function("deeprec.ps.async_pull"):
                 lookup.prefetch(values[index], train=lookup.training)
+        for lookup, index in tier_lookups:
+            with record_function("deeprec.tiers.prefetch"):
+                for ev, keys in zip(lookup.variables, values[index]):
+                    if ev.option.storage.prefetch and hasattr(ev, "prefetch_rows"):
+                        ev.prefetch_rows(keys)
     return pull
 
 
@@ -308,6 +335,9 @@ def explain(fast: OptimizedModel) -> str:
     if fast.config.async_embedding:
         lines.append(f"async embedding: {len(fast.async_lookups)} lookup(s) pull their rows from the parameter "
                      "servers in the prefetch, right after their keys are staged")
+    if fast.tier_lookups:
+        lines.append(f"tiered storage: {len(fast.tier_lookups)} lookup(s) promote the next batch's rows from disk "
+                     "into DRAM in the stage, right after its keys are staged")
     if part.kept:
         lines.append("data-side nodes kept in main, and why:")
         lines += [f"  {node}: {reason}" for node, reason in part.kept.items()]
@@ -316,6 +346,9 @@ def explain(fast: OptimizedModel) -> str:
 
 def _explain_step(fast: OptimizedModel) -> list[str]:
     cfg, step, lines = fast.config, fast.main_step, []
+    tiers = tier_summary(fast.model)
+    if tiers is not None:
+        lines.append(describe_tiers(tiers))
     if step is not None and step.streams is not None:
         ms = cfg.multi_stream
         lines.append(f"multi-stream: policy={ms.policy!r}, {step.streams.streams_used} of {ms.num_streams} "
