@@ -23,6 +23,7 @@ process) with async embedding, dense on the PS and by all-reduce; rounds alterna
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import os
 import socket
@@ -188,21 +189,39 @@ CASES = [("grpc", "ps", 1, 512, U), ("star_server", "ps", 1, 512, U), ("star_ser
          ("star_server", "ps", 1, 4096, U), ("star_server", "allreduce", 1, 4096, U)]
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median PS CPU per step (its other numbers come with it), and the spread."""
+    ordered = sorted(runs, key=lambda r: r["ps_cpu_ms_per_step"])
+    return {**ordered[len(ordered) // 2], "ps_cpu_ms_all": [r["ps_cpu_ms_per_step"] for r in runs]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--training-steps", type=int, default=80)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--only-training", action="store_true")
+    parser.add_argument("--only-cases", action="store_true", help="keep results/ps.json's training section")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each communication case (median)")
     args = parser.parse_args()
-    training = training_section(args.training_steps, args.rounds)
+    if args.only_cases:
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ps.json")) as f:
+            training = json.load(f)["training"]
+    else:
+        training = training_section(args.training_steps, args.rounds)
     if args.only_training:
         print("saved", save_json("ps_training", training))
         return
     results, rows = {}, []
-    for protocol, dense_mode, workers, batch, ids in CASES:
-        steps = args.steps if batch == 512 else max(10, args.steps // 4)
-        r = run_case(protocol, dense_mode, workers, batch, steps, ids)
+    runs = {case: [] for case in CASES}
+    for _ in range(args.repeats):  # interleaved: each case once per round
+        for case in CASES:
+            protocol, dense_mode, workers, batch, ids = case
+            runs[case].append(run_case(protocol, dense_mode, workers, batch,
+                                       args.steps if batch == 512 else max(10, args.steps // 4), ids))
+    for case in CASES:
+        protocol, dense_mode, workers, batch, ids = case
+        r = _median_run(runs[case])
         key = f"{protocol}/{dense_mode}/batch{batch}/workers{workers}/{ids}"
         results[key] = r
         base = results.get(f"star_server/{dense_mode}/batch{batch}/workers{workers}/{ids}",

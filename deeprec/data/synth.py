@@ -51,11 +51,11 @@ def id_effect(feature: int, rank: np.ndarray) -> np.ndarray:
     return (unit - 0.5) * np.sqrt(12.0)
 
 
-def zipf_ranks(rng: np.random.Generator, n: int, cardinality: int) -> np.ndarray:
+def zipf_ranks(rng: np.random.Generator, n: int, cardinality: int, exponent: float = ZIPF_EXPONENT) -> np.ndarray:
     """Ranks in [0, cardinality), P(rank) ~ (rank+1)^-s (continuous inverse CDF)."""
     if cardinality == 1:
         return np.zeros(n, dtype=np.int64)
-    a = 1.0 - ZIPF_EXPONENT
+    a = 1.0 - exponent
     u = rng.random(n)
     x = ((float(cardinality + 1) ** a - 1.0) * u + 1.0) ** (1.0 / a)
     return np.clip(x.astype(np.int64) - 1, 0, cardinality - 1)
@@ -69,7 +69,8 @@ def hex_ids(feature: int, rank: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(_HEX[nibbles.astype(np.intp)]).view("S8").reshape(-1)
 
 
-def generate_chunk(rng: np.random.Generator, n: int, cardinalities) -> tuple[pa.Table, np.ndarray]:
+def generate_chunk(rng: np.random.Generator, n: int, cardinalities,
+                   exponent: float = ZIPF_EXPONENT) -> tuple[pa.Table, np.ndarray]:
     """One chunk of rows and the true click probabilities."""
     logit = np.full(n, BIAS)
     columns = {}
@@ -79,7 +80,7 @@ def generate_chunk(rng: np.random.Generator, n: int, cardinalities) -> tuple[pa.
         missing = rng.random(n) < DENSE_MISSING[d]
         columns[name] = pa.array(values, mask=missing)
     for f, name in enumerate(SPARSE):
-        rank = zipf_ranks(rng, n, cardinalities[f])
+        rank = zipf_ranks(rng, n, cardinalities[f], exponent)
         missing = rng.random(n) < SPARSE_MISSING[f]
         if STRENGTH[f]:
             logit += np.where(missing, 0.0, STRENGTH[f] * id_effect(f, rank))
@@ -89,11 +90,17 @@ def generate_chunk(rng: np.random.Generator, n: int, cardinalities) -> tuple[pa.
     return pa.table({"label": label, **columns}), prob
 
 
-def write_synthetic(path: str, rows: int, *, cardinalities: str = "kaggle", seed: int = 0,
-                    chunk_rows: int = 100_000) -> dict:
-    """Write `rows` rows of Criteo-layout TSV to `path`; returns a summary."""
-    check_choice("cardinalities", cardinalities, tuple(CARDINALITIES))
-    cards = CARDINALITIES[cardinalities]
+def write_synthetic(path: str, rows: int, *, cardinalities: str | tuple = "kaggle", seed: int = 0,
+                    chunk_rows: int = 100_000, zipf_exponent: float = ZIPF_EXPONENT) -> dict:
+    """Write `rows` rows of Criteo-layout TSV to `path`; returns a summary. `cardinalities`:
+    a preset name or 26 ints (the distinct ids of C1..C26)."""
+    if isinstance(cardinalities, str):
+        check_choice("cardinalities", cardinalities, tuple(CARDINALITIES))
+        cards = CARDINALITIES[cardinalities]
+    elif len(cardinalities) != len(SPARSE) or min(cardinalities) < 1:
+        raise ValueError(f"cardinalities must name a preset or give {len(SPARSE)} ints >= 1")
+    else:
+        cards = tuple(int(c) for c in cardinalities)
     rng = np.random.default_rng(seed)
     options = pacsv.WriteOptions(include_header=False, delimiter="\t", quoting_style="none")
     clicks = 0
@@ -102,7 +109,7 @@ def write_synthetic(path: str, rows: int, *, cardinalities: str = "kaggle", seed
         written = 0
         while written < rows:
             n = min(chunk_rows, rows - written)
-            table, prob = generate_chunk(rng, n, cards)
+            table, prob = generate_chunk(rng, n, cards, zipf_exponent)
             pacsv.write_csv(table, sink, write_options=options)
             clicks += int(np.asarray(table.column("label")).sum())
             prob_sum += float(prob.sum())

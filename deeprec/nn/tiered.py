@@ -33,6 +33,7 @@ class _Held:
     keys: torch.Tensor
     admitted: torch.Tensor
     generation: int
+    moves: int  # the variable's count of rows that left DRAM, at the lookup
 
 
 class TieredEmbeddingVariable(EmbeddingVariable):
@@ -49,6 +50,7 @@ class TieredEmbeddingVariable(EmbeddingVariable):
         self.occupied = torch.zeros(cache, dtype=torch.bool)
         self._free = torch.arange(cache - 1, -1, -1, dtype=torch.int64)  # a stack: rows 0, 1, ... first
         self._tick = getattr(self, "_tick", 0)
+        self._moves = getattr(self, "_moves", 0) + 1  # rows that left DRAM (held rows may be stale)
         if getattr(self, "disk", None) is not None:
             self.disk.close()
         self.disk = DiskRows(storage.path or tempfile.gettempdir(), self.name or "ev", self._disk_width())
@@ -83,6 +85,7 @@ class TieredEmbeddingVariable(EmbeddingVariable):
                 self._shrink_cache(fits)
 
     def _shrink_cache(self, rows: int) -> None:
+        self._moves += 1
         for name in ("keys", "weight", "freq", "version", "dirty", "last_used", "occupied"):
             setattr(self, name, getattr(self, name)[:rows].clone())
         self.slots = {name: slot[:rows].clone() for name, slot in self.slots.items()}
@@ -131,6 +134,7 @@ class TieredEmbeddingVariable(EmbeddingVariable):
         self.occupied[rows] = False
         self._free = torch.cat([self._free, rows])
         self.size -= rows.numel()
+        self._moves += 1
         self.stats["disk_writes"] += rows.numel()
         self.stats["bytes_written"] += rows.numel() * self.disk.record_bytes
 
@@ -169,39 +173,53 @@ class TieredEmbeddingVariable(EmbeddingVariable):
         self.stats["bytes_read"] += keys.numel() * self.disk.record_bytes
         return keys.numel()
 
-    def _make_resident(self, keys: torch.Tensor) -> tuple[int, int]:
-        """Protect the keys' DRAM rows and promote those on disk; (DRAM hits, disk reads)."""
-        rows = torch.from_numpy(self._index.lookup(keys.numpy()))
+    def _make_resident(self, keys: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+        """Protect the keys' DRAM rows and promote those on disk; (their rows, -1 where still
+        not held; how many were read from disk). `rows`: the index's answer, if already known."""
+        if rows is None:
+            rows = torch.from_numpy(self._index.lookup(keys.numpy()))
         resident = rows >= 0
-        self.last_used[rows[resident]] = self._tick
-        missing = keys[~resident]
-        read = self._promote(torch.unique(missing)) if missing.numel() else 0
-        return int(resident.sum()), read
+        if bool(resident.all()):  # the common case: every row in DRAM
+            self.last_used[rows] = self._tick
+            return rows, 0
+        self.last_used[rows[resident]] = self._tick  # before promotions evict anything
+        read = self._promote(torch.unique(keys[~resident]))  # promoted rows are stamped with the tick
+        if read:
+            rows = torch.from_numpy(self._index.lookup(keys.numpy()))
+        return rows, read
 
     # -- lookups and updates -------------------------------------------------------------------
     def rows_for(self, keys: torch.Tensor, counts: torch.Tensor | None = None, train: bool = True) -> torch.Tensor:
         keys = keys.to(torch.int64)
         with self._lock:
             self._tick += 1
-            hits, read = self._make_resident(keys)
+            rows = torch.from_numpy(self._index.lookup(keys.numpy()))
+            hits = int((rows >= 0).sum())
+            if hits < keys.numel():
+                rows, read = self._make_resident(keys, rows)
+                self.stats["disk_reads"] += read
+            else:
+                self.last_used[rows] = self._tick
             self.stats["lookups"] += keys.numel()
             self.stats["hits"] += hits
-            self.stats["disk_reads"] += read
-            rows = super().rows_for(keys, counts, train)  # admission and inserts: _new_rows evicts as needed
-            self.last_used[rows[rows >= 0]] = self._tick
-            return rows
+            # admission and inserts (_new_rows evicts, and stamps new rows with the tick)
+            return self._complete_rows(keys, rows, counts, train)
 
     def lookup(self, keys: torch.Tensor, counts: torch.Tensor | None = None, train: bool = True):
         with self._lock:
             rows = self.rows_for(keys, counts, train=train)
-            return rows, self.gather(rows), _Held(keys.to(torch.int64), rows >= 0, self.generation)
+            return rows, self.gather(rows), _Held(keys.to(torch.int64), rows >= 0, self.generation, self._moves)
 
     def prefetch_rows(self, keys: torch.Tensor) -> None:
         """Promote the keys' rows from disk into DRAM (SmartStage's stage, for the next batch)."""
-        keys = torch.unique(keys.to(torch.int64))
+        if not self.disk.rows:  # a table that fits DRAM: nothing to promote (no lock, no lookup)
+            return
+        keys = keys.to(torch.int64)
         with self._lock:
             rows = torch.from_numpy(self._index.lookup(keys.numpy()))
-            self.stats["prefetched"] += self._promote(keys[rows < 0])
+            missing = rows < 0
+            if bool(missing.any()):
+                self.stats["prefetched"] += self._promote(torch.unique(keys[missing]))
 
     def current_rows(self, rows: torch.Tensor, generation) -> torch.Tensor:
         """The current DRAM rows of a lookup's keys (promoted again if they went to disk since)."""
@@ -209,13 +227,12 @@ class TieredEmbeddingVariable(EmbeddingVariable):
             return super().current_rows(rows, generation)
         if generation.generation != self.generation:  # a full load since: the rows mean nothing now
             return torch.full_like(rows, -1)
+        if generation.moves == self._moves:  # no row left DRAM since the lookup: the rows still hold
+            return rows
         # no new tick: rows found for one update (FusedLookup.step finds several lookups' rows
         # before it applies them) stay protected from each other's promotions
-        self._make_resident(generation.keys[generation.admitted])
-        found = torch.from_numpy(self._index.lookup(generation.keys.numpy()))
-        found[~generation.admitted] = -1  # not admitted at lookup: no update, as in DRAM
-        self.last_used[found[found >= 0]] = self._tick
-        return found
+        found, _ = self._make_resident(generation.keys)
+        return torch.where(generation.admitted, found, -1)  # not admitted at lookup: no update, as in DRAM
 
     # -- eviction policies, checkpoints -------------------------------------------------------
     def _disk_state(self, slots: torch.Tensor) -> dict:
@@ -274,6 +291,7 @@ class TieredEmbeddingVariable(EmbeddingVariable):
             for index, keys in ((self._index, self.keys[drop_cache]), (self._disk_index, self.disk.ints[drop_disk, 0])):
                 index.insert(keys.numpy(), torch.full_like(keys, -1).numpy())
             self.occupied[drop_cache] = False
+            self._moves += 1
             self._free = torch.cat([self._free, drop_cache])
             self.size -= drop_cache.numel()
             self.disk.release(drop_disk)
@@ -374,13 +392,15 @@ def describe_tiers(total: dict) -> str:
             f"prefetched), written {total['bytes_written'] / mb:,.1f} MB")
 
 
-def use_storage(model: torch.nn.Module, storage: StorageOption) -> int:
-    """Give every EmbeddingVariable of `model` this storage (in place, rows and slots kept); returns
-    how many. The model is written plainly; the trainer applies its --storage this way."""
+def use_storage(model: torch.nn.Module, storage: StorageOption | dict[str, StorageOption]) -> int:
+    """Give the EmbeddingVariables of `model` this storage (in place, rows and slots kept), or each
+    the storage its name maps to (DeepRec sizes tiers per variable); returns how many. The model
+    is written plainly; the trainer applies its --storage this way."""
     found = [(name, m) for name, m in model.named_modules()
-             if isinstance(m, EmbeddingVariable) and not isinstance(m, TieredEmbeddingVariable)]
+             if isinstance(m, EmbeddingVariable) and not isinstance(m, TieredEmbeddingVariable)
+             and (isinstance(storage, StorageOption) or m.name in storage)]
     for name, ev in found:
-        option = dataclasses.replace(ev.option, storage=storage)
+        option = dataclasses.replace(ev.option, storage=storage if isinstance(storage, StorageOption) else storage[ev.name])
         tiered = EmbeddingVariable(ev.embedding_dim, key_dtype=ev.key_dtype, ev_option=option, name=ev.name or name,
                                    shard_index=ev.shard_index, num_shards=ev.num_shards)
         tiered.attach_slots(dict(ev._slot_init))

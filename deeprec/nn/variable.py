@@ -289,7 +289,12 @@ class EmbeddingVariable(nn.Module):
         In training, counts the sightings and inserts admitted new keys."""
         keys = keys.to(torch.int64)
         with self._lock:
-            rows = torch.from_numpy(self._index.lookup(keys.numpy()))
+            return self._complete_rows(keys, torch.from_numpy(self._index.lookup(keys.numpy())), counts, train)
+
+    def _complete_rows(self, keys: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor | None,
+                       train: bool) -> torch.Tensor:
+        """rows_for's work once the index gave `rows` (-1: not held): admit, insert, count."""
+        with self._lock:
             if not train:
                 return rows
             counts = torch.ones_like(keys) if counts is None else counts.to(torch.int64)
