@@ -38,6 +38,18 @@ def assert_same_rows(a: dict, b: dict) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
+def assert_same_model(a: dict, b: dict) -> None:
+    """Two model state dicts equal: dense tensors exactly, each EmbeddingVariable's rows by key."""
+    assert a.keys() == b.keys()
+    for name in a:
+        if name.endswith(".keys"):
+            prefix = name[: -len("keys")]
+            assert_same_rows({k[len(prefix):]: v for k, v in a.items() if k.startswith(prefix)},
+                             {k[len(prefix):]: v for k, v in b.items() if k.startswith(prefix)})
+        elif isinstance(a[name], torch.Tensor) and "variables" not in name:
+            assert torch.equal(a[name], b[name]), name
+
+
 @pytest.mark.parametrize("cache", ["lfu", "lru"])
 @pytest.mark.parametrize("optimizer", [lambda: sparse.Adagrad(lr=0.1), lambda: sparse.Adam(lr=0.01)])
 def test_training_equals_all_dram_exactly_while_rows_move(tmp_path, cache, optimizer):
@@ -178,14 +190,8 @@ def test_trainer_with_ssd_tier_trains_like_dram_and_reports_tiers(tmp_path, uniq
     assert tiers["variables"] == 26 and tiers["disk_rows"] > 0 and tiers["prefetched"] > 0
     assert tier_summary(tiered.model)["hit_rate"] == tiers["hit_rate"]
     assert "tiered storage" in tiered.fast.explain() and "promote the next batch's rows" in tiered.fast.explain()
-    sa, sb = (load_checkpoint(os.path.join(tmp_path / n, "checkpoint-000000090.pt"))["model"] for n in ("plain", "tiered"))
-    for name in sa:
-        if name.endswith(".keys"):
-            prefix = name[: -len("keys")]
-            assert_same_rows({k[len(prefix):]: v for k, v in sa.items() if k.startswith(prefix)},
-                             {k[len(prefix):]: v for k, v in sb.items() if k.startswith(prefix)})
-        elif isinstance(sa[name], torch.Tensor) and "variables" not in name:
-            assert torch.equal(sa[name], sb[name]), name
+    assert_same_model(*(load_checkpoint(os.path.join(tmp_path / n, "checkpoint-000000090.pt"))["model"]
+                        for n in ("plain", "tiered")))
     assert os.listdir(tmp_path / "t") == []  # the disk tier's files are unlinked at creation
 
 
@@ -215,11 +221,4 @@ def test_a_killed_tiered_run_resumes_from_its_checkpoint(tmp_path, unique_tsv):
     full = tmp_path / "full"
     subprocess.run(command(full), check=True, capture_output=True, timeout=180)
     last = f"checkpoint-{steps:09d}.pt"
-    a, b = load_checkpoint(str(killed / last))["model"], load_checkpoint(str(full / last))["model"]
-    for name in a:
-        if name.endswith(".keys"):
-            prefix = name[: -len("keys")]
-            assert_same_rows({k[len(prefix):]: v for k, v in a.items() if k.startswith(prefix)},
-                             {k[len(prefix):]: v for k, v in b.items() if k.startswith(prefix)})
-        elif isinstance(a[name], torch.Tensor) and "variables" not in name:
-            assert torch.equal(a[name], b[name]), name
+    assert_same_model(load_checkpoint(str(killed / last))["model"], load_checkpoint(str(full / last))["model"])
