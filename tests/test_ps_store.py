@@ -132,3 +132,20 @@ def test_index_build_refuses_a_pair_held_twice():
     arena.row_ns[:2], arena.row_keys[:2] = 0, 5
     with pytest.raises(RuntimeError, match="held by two rows"):
         torch.ops.deeprec.ps_index_build(arena.table, arena.row_ns, arena.row_keys, 2)
+
+
+def test_received_tensors_are_aligned_views_of_the_message():
+    import numpy as np
+
+    from deeprec.distributed.wire import pack, unpack
+
+    for pad in range(12):  # every header length modulo 8
+        message = pack({"note": "x" * pad}, {"keys": torch.arange(5), "grads": torch.ones(3, 4),
+                                             "flag": torch.tensor([True])})
+        start = np.frombuffer(message, np.uint8).ctypes.data
+        header, tensors = unpack(message)
+        assert header["note"] == "x" * pad
+        for name, t in tensors.items():
+            assert start <= t.data_ptr() < start + len(message), name  # a view, not a copy
+            assert t.data_ptr() % 8 == 0, name
+        assert torch.equal(tensors["keys"], torch.arange(5)) and torch.equal(tensors["grads"], torch.ones(3, 4))
