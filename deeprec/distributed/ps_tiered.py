@@ -1,0 +1,104 @@
+"""A PS shard's embedding rows in DRAM + disk tiers (`python -m deeprec.distributed --storage ssd`).
+
+    TieredArena: EmbeddingArena's interface over one TieredEmbeddingVariable per variable
+        (variable id, key) ──> the variable's DRAM row (promoted from disk when cold)
+        row numbers travel as  variable id << 40 | row   within one request
+
+A row may leave DRAM between requests, so rows are only used within the request that
+found them (a pull gathers at once; a push finds its rows when it applies them, which
+for sync training is when the last worker's push arrives: ShardState._apply).
+"""
+from __future__ import annotations
+
+import torch
+
+from deeprec.nn.options import EmbeddingVariableOption, StorageOption
+from deeprec.nn.tiered import TieredEmbeddingVariable
+from deeprec.optim import sparse
+from deeprec.optim.sparse import merge_rows
+
+_ROW_BITS = 40
+_INDEX_BYTES = 48  # a key's entries in the DRAM and disk indexes (pandas khash), about
+
+
+class TieredArena:
+    def __init__(self, dim: int, optimizer: sparse.RowSparseOptimizer, storage: StorageOption,
+                 shard_index: int = 0, num_shards: int = 1):
+        self.dim, self.optimizer, self.storage = dim, optimizer, storage
+        self.shard_index, self.num_shards = shard_index, num_shards
+        self.names: list[str] = []
+        self.variables: list[TieredEmbeddingVariable] = []
+        self.slots = {name: torch.empty((0, dim) if per_element else (0,))  # the slots' shapes (Load checks)
+                      for name, (_, per_element) in optimizer.slot_specs().items()}
+
+    def add(self, name: str, defaults: torch.Tensor) -> int:
+        ev = TieredEmbeddingVariable(self.dim, ev_option=EmbeddingVariableOption(storage=self.storage), name=name,
+                                     shard_index=self.shard_index, num_shards=self.num_shards)
+        ev._defaults = defaults.float().clone()  # the worker's initializer matrix
+        ev.attach_slots(self.optimizer.slot_specs())
+        self.names.append(name)
+        self.variables.append(ev)
+        return len(self.names) - 1
+
+    def bytes_per_row(self) -> int:
+        """DRAM a new key costs: its index entries (its row goes to disk when DRAM is full)."""
+        return _INDEX_BYTES
+
+    def memory(self) -> int:
+        return sum(ev.capacity * ev._row_bytes() + ev._index.nbytes() + ev._disk_index.nbytes()
+                   for ev in self.variables)
+
+    def rows(self, ns: torch.Tensor, keys: torch.Tensor, insert: bool) -> tuple[torch.Tensor, int]:
+        """(variable << 40 | DRAM row of each pair, -1 if not held; how many pairs repeat an earlier one)."""
+        out = torch.full_like(keys, -1)
+        repeated = 0
+        for var in torch.unique(ns).tolist():
+            sel = torch.nonzero(ns == var).squeeze(1)
+            mine = keys[sel]
+            distinct, inverse, counts = torch.unique(mine, return_inverse=True, return_counts=True)
+            repeated += mine.numel() - distinct.numel()
+            ev = self.variables[var]
+            ev.global_step = self.optimizer.step_count  # the version a new row starts with
+            rows = ev.rows_for(distinct, counts, train=insert)[inverse]
+            out[sel] = torch.where(rows >= 0, (var << _ROW_BITS) | rows, -1)
+        return out, repeated
+
+    def _split(self, rows: torch.Tensor):
+        var = rows >> _ROW_BITS
+        for v in torch.unique(var[rows >= 0]).tolist():
+            sel = torch.nonzero((var == v) & (rows >= 0)).squeeze(1)
+            yield self.variables[v], sel, rows[sel] & ((1 << _ROW_BITS) - 1)
+
+    def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Each pair's values; a row -1 (a key never trained) reads zeros."""
+        values = torch.zeros(rows.numel(), self.dim) if out is None else out.zero_()
+        for ev, sel, local in self._split(rows):
+            values[sel] = ev.weight.index_select(0, local)
+        return values
+
+    def apply(self, rows: torch.Tensor, grad: torch.Tensor, repeated: bool = True) -> None:
+        """One optimizer step over every variable's rows (-1 rows dropped, duplicates summed)."""
+        self.optimizer.begin_step()
+        for ev, sel, local in self._split(rows):
+            g = grad[sel]
+            if repeated:
+                local, g = merge_rows(local, g)
+            ev.global_step = self.optimizer.step_count
+            ev.apply_update(self.optimizer, local, g)
+
+    def export(self, var: int) -> dict:
+        state = self.variables[var].export()
+        state.pop("incremental")
+        state["global_step"] = torch.tensor(self.optimizer.step_count)
+        return state
+
+    def load(self, states: dict[int, dict], shard_index: int, num_shards: int) -> None:
+        for var, state in states.items():  # each variable keeps this shard's keys (its shard_of filter)
+            self.variables[var].load({**state, "global_step": torch.tensor(self.optimizer.step_count)})
+
+    def tier_stats(self) -> dict:
+        total: dict = {}
+        for ev in self.variables:
+            for k, v in ev.tier_stats().items():
+                total[k] = total.get(k, 0) + v
+        return total
