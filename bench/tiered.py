@@ -91,7 +91,7 @@ def child(config: str, args) -> dict:
     trainer = Trainer(cfg)
     if config != "dram":  # each table's DRAM budget: --budget of its rows' bytes (DeepRec sizes tiers per variable)
         first = next(m for m in trainer.model.modules() if isinstance(m, EmbeddingVariable))
-        row_bytes = 4 * (first.embedding_dim * 2) + 34  # value + Adagrad slot + bookkeeping (TieredEV._row_bytes)
+        row_bytes = 4 * (first.embedding_dim * 2) + 35  # value + Adagrad slot + bookkeeping (TieredEV._row_bytes)
         budgets = {f"C{f + 1}": max(2 << 20, int(args.budget * c * row_bytes)) for f, c in enumerate(cards)}
         use_storage(trainer.model, {name: StorageOption(tiers=["dram", "ssd"], dram_bytes=b, path=args.path,
                                                         prefetch=config.endswith("prefetch"))

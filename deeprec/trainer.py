@@ -132,7 +132,8 @@ class TrainConfig:
         if self.storage == "ssd":
             if self.embedding != "variable" or self.ps_addresses:
                 raise ConfigError("storage='ssd' tiers EmbeddingVariables of local training: give "
-                                  "embedding='variable' (PS shards keep their rows in DRAM)")
+                                  "embedding='variable' (a PS shard tiers its rows itself: python -m "
+                                  "deeprec.distributed --storage ssd --dram-bytes N)")
             if not self.dram_bytes or self.dram_bytes <= 0:
                 raise ConfigError(f"storage='ssd' needs dram_bytes > 0 (the DRAM cache's budget), got {self.dram_bytes!r}")
         if (self.export_every or self.export_incremental_every) and not self.export_dir:

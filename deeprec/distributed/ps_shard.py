@@ -25,6 +25,7 @@ from deeprec.distributed.tuning import core_number, pin_cores, pin_current_threa
 from deeprec.distributed.ps_state import MAX_DIM, MAX_WAIT_S, ResourceExhausted, ShardState, int_field
 from deeprec.distributed.wire import WireError, pack, unpack
 from deeprec.errors import ConfigError
+from deeprec.nn.options import StorageOption
 from deeprec.runtime.memory import tune_malloc
 
 SERVICE = "deeprec.PS"
@@ -113,7 +114,7 @@ def _section(header: dict, key: str) -> dict:
 
 def serve(bind: str, shard_index: int, num_shards: int, threads: int | None = None,
           connections: int = 8, max_memory: int | None = None, max_dim: int = MAX_DIM, token: str | None = None,
-          credentials=None, insecure: bool = False) -> tuple[grpc.Server, int]:
+          credentials=None, insecure: bool = False, storage: StorageOption | None = None) -> tuple[grpc.Server, int]:
     """Start a PS shard listening on `bind` ("host:port", port 0 = any); returns (server, port).
     `threads`: gRPC handler threads (default NETWORK_PS_CORE_NUMBER, else min(8, connections)).
     `token`: every call must carry it (deeprec.distributed.security); a non-loopback `bind`
@@ -127,7 +128,7 @@ def serve(bind: str, shard_index: int, num_shards: int, threads: int | None = No
                                                  initializer=pin_current_thread, initargs=(cores,))
     interceptors = (security.TokenInterceptor(token),) if token else ()
     server = grpc.server(pool, options=GRPC_OPTIONS, interceptors=interceptors)
-    state = ShardState(shard_index, num_shards, max_memory=max_memory, max_dim=max_dim)
+    state = ShardState(shard_index, num_shards, max_memory=max_memory, max_dim=max_dim, storage=storage)
     server.add_generic_rpc_handlers((PSServicer(state, threads).handler(),))
     port = server.add_secure_port(bind, credentials) if credentials is not None else server.add_insecure_port(bind)
     if port == 0:
@@ -153,6 +154,13 @@ def main(argv=None) -> int:
                         help="memory budget of the shard's variables (default: 80%% of RAM); past it, "
                              "Register and inserting pulls get RESOURCE_EXHAUSTED")
     parser.add_argument("--max-dim", type=int, default=MAX_DIM, help="largest embedding dim a Register may ask for")
+    parser.add_argument("--storage", choices=("dram", "ssd"), default="dram",
+                        help="where embedding rows live: all in DRAM, or at most --dram-bytes of each variable's "
+                             "rows in DRAM and the rest in a disk tier under --storage-path")
+    parser.add_argument("--dram-bytes", type=int, help="--storage ssd: DRAM budget of each embedding variable")
+    parser.add_argument("--storage-path", help="--storage ssd: folder of the disk tier (default: the temp folder)")
+    parser.add_argument("--cache", choices=("lfu", "lru"), default="lfu",
+                        help="--storage ssd: rows that leave DRAM first")
     parser.add_argument("--no-malloc-tuning", action="store_true",
                         help="keep glibc malloc's defaults (by default the PS keeps freed memory mapped: each "
                              "call's megabyte-sized messages then reuse pages instead of faulting fresh ones in; "
@@ -177,12 +185,16 @@ def _run_shard(args) -> int:
     args.shard = 0 if args.shard is None else args.shard
     args.num_shards = 1 if args.num_shards is None else args.num_shards
     torch.set_num_threads(1)
+    storage = None
+    if args.storage == "ssd":
+        storage = StorageOption(tiers=["dram", "ssd"], dram_bytes=args.dram_bytes, path=args.storage_path,
+                                cache=args.cache)
     if not args.no_malloc_tuning:
         tune_malloc()
     server, port = serve(args.bind, args.shard, args.num_shards, args.threads, connections=args.workers or 8,
                          max_memory=args.max_memory, max_dim=args.max_dim, token=security.read_token(args.token_file),
                          credentials=security.server_credentials(args.tls_cert, args.tls_key, args.tls_ca),
-                         insecure=args.insecure)
+                         insecure=args.insecure, storage=storage)
     host = args.bind.rpartition(":")[0]
     print(f"deeprec PS {args.shard}/{args.num_shards} listening on {host}:{port}", flush=True)
     try:

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from deeprec.distributed.ps_store import DenseGroup, EmbeddingArena
+from deeprec.distributed.ps_tiered import TieredArena
 from deeprec.distributed.wire import WireError
 from deeprec.errors import ConfigError
-from deeprec.nn.options import InitializerOption
+from deeprec.nn.options import InitializerOption, StorageOption
 from deeprec.nn.variable import shard_of
 from deeprec.optim import sparse
 
@@ -59,8 +60,10 @@ def make_optimizer(name: str, lr: float) -> sparse.RowSparseOptimizer:
 
 
 class ShardState:
-    def __init__(self, shard_index: int, num_shards: int, max_memory: int | None = None, max_dim: int = MAX_DIM):
+    def __init__(self, shard_index: int, num_shards: int, max_memory: int | None = None, max_dim: int = MAX_DIM,
+                 storage: StorageOption | None = None):
         self.shard_index, self.num_shards = shard_index, num_shards
+        self.storage = storage  # with an ssd tier: each embedding variable's rows in DRAM + disk (TieredArena)
         self.max_memory = _memory_budget() if max_memory is None else max_memory
         self.max_dim = max_dim
         self.arenas: dict[tuple, EmbeddingArena] = {}  # (dim, optimizer, lr) -> arena
@@ -119,7 +122,10 @@ class ShardState:
         self._reserve(needed, f"registering {len(new)} variable(s)")
         for name, kind, key, tensor in new:
             if kind == "embedding":
-                if key not in self.arenas:
+                if key not in self.arenas and self.storage is not None and self.storage.tiered:
+                    self.arenas[key] = TieredArena(key[0], make_optimizer(*key[1:]), self.storage, self.shard_index,
+                                                   self.num_shards)
+                elif key not in self.arenas:
                     self.arenas[key] = EmbeddingArena(key[0], make_optimizer(*key[1:]), reserve_bytes=self.max_memory)
                 arena = self.arenas[key]
                 if tensor is None:
@@ -229,7 +235,7 @@ class ShardState:
                 raise WireError(f"'{prefix}dense/{name}' must be a float32 gradient of shape {shape}")
             _check_finite(grad, f"{prefix}dense/{name}")
             dense[name] = grad
-        updates = [(p.arena, *p.arena.rows(p.ns, p.keys, insert=False), g) for p, g in rows_grads]  # arena, rows, repeated, grads
+        updates = [(p.arena, p.ns, p.keys, g) for p, g in rows_grads]  # rows are found when applied
         if workers > 1 and step is not None:
             self._drop_stale_sync()
             pending = self._sync.setdefault(step, {"count": 0, "rows": [], "dense": {}, "since": time.monotonic()})
@@ -240,20 +246,21 @@ class ShardState:
             if pending["count"] < workers:
                 return
             del self._sync[step]
-            # the workers' rows may repeat: _apply merges each arena's parts and sums repeats
-            updates = [(arena, rows, True, grads / workers) for arena, rows, _, grads in pending["rows"]]
+            # the workers' keys may repeat: _apply merges each arena's parts and sums repeats
+            updates = [(arena, ns, keys, grads / workers) for arena, ns, keys, grads in pending["rows"]]
             dense = {name: sum(gs) / workers for name, gs in pending["dense"].items()}
         self._apply(updates, dense)
         if step is not None:
             self.applied_step = max(self.applied_step, step)
 
     def _apply(self, updates: list, dense: dict) -> None:
-        for arena in dict.fromkeys(a for a, _, _, _ in updates):  # one optimizer step per arena
-            mine = [(r, repeated, g) for a, r, repeated, g in updates if a is arena]
-            if len(mine) == 1:
-                arena.apply(mine[0][0], mine[0][2], bool(mine[0][1]))
-            else:  # several parts (sync: one per worker): rows may repeat
-                arena.apply(torch.cat([r for r, _, _ in mine]), torch.cat([g for _, _, g in mine]))
+        """One optimizer step per arena over its parts (sync: one per worker), rows found now: a
+        tiered arena's rows may have moved since the push arrived."""
+        for arena in dict.fromkeys(a for a, _, _, _ in updates):
+            mine = [(ns, keys, g) for a, ns, keys, g in updates if a is arena]
+            ns, keys, grads = mine[0] if len(mine) == 1 else (torch.cat(part) for part in zip(*mine))
+            rows, repeated = arena.rows(ns, keys, insert=False)
+            arena.apply(rows, grads, repeated > 0)
         for group in dict.fromkeys(self.dense[n] for n in dense):
             group.apply({n: g for n, g in dense.items() if self.dense[n] is group})
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from deeprec.errors import ConfigError
 from deeprec.nn.options import EmbeddingVariableOption, StorageOption
 from deeprec.nn.tiered import TieredEmbeddingVariable
 from deeprec.optim import sparse
@@ -59,7 +60,12 @@ class TieredArena:
             repeated += mine.numel() - distinct.numel()
             ev = self.variables[var]
             ev.global_step = self.optimizer.step_count  # the version a new row starts with
-            rows = ev.rows_for(distinct, counts, train=insert)[inverse]
+            try:
+                rows = ev.rows_for(distinct, counts, train=insert)[inverse]
+            except ConfigError as err:  # this request's keys do not fit the DRAM tier
+                from deeprec.distributed.ps_state import ResourceExhausted
+
+                raise ResourceExhausted(str(err)) from None
             out[sel] = torch.where(rows >= 0, (var << _ROW_BITS) | rows, -1)
         return out, repeated
 

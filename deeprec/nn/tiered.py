@@ -43,11 +43,13 @@ class TieredEmbeddingVariable(EmbeddingVariable):
     def _reset(self, capacity: int) -> None:
         storage = self.option.storage
         self.stats = dict(getattr(self, "stats", None) or dict.fromkeys(
-            ("lookups", "hits", "disk_reads", "prefetched", "disk_writes", "bytes_read", "bytes_written"), 0))
+            ("lookups", "hits", "disk_reads", "prefetched", "prefetch_skipped", "disk_writes", "bytes_read",
+             "bytes_written"), 0))
         super()._reset(self._cache_rows())
         cache = self.capacity
         self.last_used = torch.zeros(cache, dtype=torch.int64)  # the lookup ("tick") that last used a row
         self.occupied = torch.zeros(cache, dtype=torch.bool)
+        self.staged = torch.zeros(cache, dtype=torch.bool)  # promoted by a prefetch, not looked up since
         self._free = torch.arange(cache - 1, -1, -1, dtype=torch.int64)  # a stack: rows 0, 1, ... first
         self._tick = getattr(self, "_tick", 0)
         self._moves = getattr(self, "_moves", 0) + 1  # rows that left DRAM (held rows may be stale)
@@ -57,9 +59,9 @@ class TieredEmbeddingVariable(EmbeddingVariable):
         self._disk_index = KeyIndex()
 
     def _row_bytes(self) -> int:
-        """DRAM bytes of one cached row: value, slots, key, freq, version, dirty, last use, occupied."""
+        """DRAM bytes of one cached row: value, slots, key, freq, version, last use, three flags."""
         slots = sum(self.embedding_dim if per_element else 1 for _, per_element in self._slot_init.values())
-        return 4 * (self.embedding_dim + slots) + 8 * 4 + 2
+        return 4 * (self.embedding_dim + slots) + 8 * 4 + 3
 
     def _cache_rows(self) -> int:
         return max(_MIN_CACHE_ROWS, self.option.storage.dram_bytes // self._row_bytes())
@@ -86,7 +88,7 @@ class TieredEmbeddingVariable(EmbeddingVariable):
 
     def _shrink_cache(self, rows: int) -> None:
         self._moves += 1
-        for name in ("keys", "weight", "freq", "version", "dirty", "last_used", "occupied"):
+        for name in ("keys", "weight", "freq", "version", "dirty", "last_used", "occupied", "staged"):
             setattr(self, name, getattr(self, name)[:rows].clone())
         self.slots = {name: slot[:rows].clone() for name, slot in self.slots.items()}
         self._free = torch.nonzero(~self.occupied).squeeze(1).flip(0)
@@ -111,7 +113,10 @@ class TieredEmbeddingVariable(EmbeddingVariable):
     def _evict_for(self, needed: int, extra: int) -> None:
         protected = self.last_used > self._tick - self.option.storage.protect_steps
         candidates = self.occupied & ~protected
-        available = int(candidates.sum())
+        # rows a prefetch promoted for a later batch go only when nothing else can: a prefetch
+        # never makes a lookup fail
+        spare = self.occupied & protected & self.staged
+        regular, available = int(candidates.sum()), int(candidates.sum()) + int(spare.sum())
         if available < needed:
             raise ConfigError(
                 f"EmbeddingVariable {self.name!r}: StorageOption.dram_bytes={self.option.storage.dram_bytes} holds "
@@ -119,7 +124,8 @@ class TieredEmbeddingVariable(EmbeddingVariable):
                 f"plus {needed} more: raise dram_bytes (or lower protect_steps)")
         score = (self.freq if self.option.storage.cache == "lfu" else self.last_used).clone()
         score[~candidates] = torch.iinfo(torch.int64).max
-        victims = torch.topk(score, min(available, needed + extra), largest=False, sorted=False).indices
+        score[spare] = torch.iinfo(torch.int64).max - 1
+        victims = torch.topk(score, max(needed, min(regular, needed + extra)), largest=False, sorted=False).indices
         self._write_back(victims)
 
     def _write_back(self, rows: torch.Tensor) -> None:
@@ -132,6 +138,7 @@ class TieredEmbeddingVariable(EmbeddingVariable):
         self._disk_index.insert(keys.numpy(), slots.numpy())
         self._index.insert(keys.numpy(), torch.full_like(keys, -1).numpy())  # khash has no delete: -1 = absent
         self.occupied[rows] = False
+        self.staged[rows] = False
         self._free = torch.cat([self._free, rows])
         self.size -= rows.numel()
         self._moves += 1
@@ -151,8 +158,9 @@ class TieredEmbeddingVariable(EmbeddingVariable):
             slot[rows] = floats[:, offset:offset + width].reshape(slot[rows].shape)
             offset += width
 
-    def _promote(self, keys: torch.Tensor) -> int:
-        """Move the keys held on disk (of these distinct keys, none in DRAM) into DRAM; returns how many."""
+    def _promote(self, keys: torch.Tensor, staged: bool = False) -> int:
+        """Move the keys held on disk (of these distinct keys, none in DRAM) into DRAM; returns how many.
+        `staged`: for a later batch (a prefetch). Raises ConfigError, changing nothing, if DRAM has no room."""
         slots = torch.from_numpy(self._disk_index.lookup(keys.numpy()))
         on_disk = slots >= 0
         if not bool(on_disk.any()):
@@ -165,6 +173,7 @@ class TieredEmbeddingVariable(EmbeddingVariable):
         self.keys[rows], self.freq[rows], self.version[rows] = keys, ints[:, 1], ints[:, 2]
         self.dirty[rows] = dirty
         self.occupied[rows] = True
+        self.staged[rows] = staged
         self.last_used[rows] = self._tick
         self._index.insert(keys.numpy(), rows.numpy())
         self._disk_index.insert(keys.numpy(), torch.full_like(keys, -1).numpy())
@@ -181,8 +190,10 @@ class TieredEmbeddingVariable(EmbeddingVariable):
         resident = rows >= 0
         if bool(resident.all()):  # the common case: every row in DRAM
             self.last_used[rows] = self._tick
+            self.staged[rows] = False
             return rows, 0
         self.last_used[rows[resident]] = self._tick  # before promotions evict anything
+        self.staged[rows[resident]] = False
         read = self._promote(torch.unique(keys[~resident]))  # promoted rows are stamped with the tick
         if read:
             rows = torch.from_numpy(self._index.lookup(keys.numpy()))
@@ -200,6 +211,7 @@ class TieredEmbeddingVariable(EmbeddingVariable):
                 self.stats["disk_reads"] += read
             else:
                 self.last_used[rows] = self._tick
+                self.staged[rows] = False
             self.stats["lookups"] += keys.numel()
             self.stats["hits"] += hits
             # admission and inserts (_new_rows evicts, and stamps new rows with the tick)
@@ -219,7 +231,10 @@ class TieredEmbeddingVariable(EmbeddingVariable):
             rows = torch.from_numpy(self._index.lookup(keys.numpy()))
             missing = rows < 0
             if bool(missing.any()):
-                self.stats["prefetched"] += self._promote(torch.unique(keys[missing]))
+                try:
+                    self.stats["prefetched"] += self._promote(torch.unique(keys[missing]), staged=True)
+                except ConfigError:  # no room now: the lookup will read them from disk
+                    self.stats["prefetch_skipped"] += 1
 
     def current_rows(self, rows: torch.Tensor, generation) -> torch.Tensor:
         """The current DRAM rows of a lookup's keys (promoted again if they went to disk since)."""
