@@ -1,0 +1,130 @@
+"""Collective training's embedding half: EmbeddingVariable rows sharded over the ranks, by all-to-all.
+
+    rank r, one step (world N; rows of key k live on rank shard_of(k, N) = k % 1000 % N):
+
+    forward   unique keys of each table ──all_to_all(ids)──> the owners look up their rows
+              (one lookup per table, keys from every rank merged) ──all_to_all(values)──> rows [U, D]
+    backward  rows' gradient ──all_to_all(grads)──> the owners sum every rank's gradient of a row,
+              divide by N (the global batch's mean) and apply the row-sparse optimizer locally
+
+`shard_embeddings(model)` swaps each EmbeddingCollection's lookup of EmbeddingVariables for a
+ShardedLookup (as the PS worker swaps in a RemoteLookup), same inputs and outputs. The dense
+layers are data parallel (DDP, outside). The exchange runs on its own process group, so its
+collectives never interleave with DDP's all-reduces on the default group.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from deeprec.errors import ConfigError
+from deeprec.nn.collection import EmbeddingCollection, FusedLookup
+from deeprec.nn.lookup import assemble
+from deeprec.nn.variable import EmbeddingVariable, shard_of
+
+
+def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
+    """all_to_all_single along dim 0 with these split sizes."""
+    out = send.new_empty((sum(recv_counts), *send.shape[1:]))
+    dist.all_to_all_single(out, send.contiguous(), recv_counts, send_counts, group=group)
+    return out
+
+
+def _return_rows(values: torch.Tensor, lookup, plan: dict) -> torch.Tensor:
+    got = _exchange(values, plan["recv_counts"], plan["send_counts"], lookup.group)
+    out = torch.empty_like(got)
+    out[plan["order"]] = got  # back to this rank's key order
+    return out
+
+
+class _ReturnRows(torch.autograd.Function):
+    """Owners' values back to the ranks that asked; the backward sends the gradients to the owners."""
+
+    @staticmethod
+    def forward(ctx, token, values, lookup, plan):
+        ctx.lookup, ctx.plan = lookup, plan
+        return _return_rows(values, lookup, plan)
+
+    @staticmethod
+    def backward(ctx, grad):
+        plan, lookup = ctx.plan, ctx.lookup
+        grads = _exchange(grad[plan["order"]], plan["send_counts"], plan["recv_counts"], lookup.group)
+        lookup.apply(plan, grads)
+        return None, None, None, None
+
+
+class ShardedLookup(nn.Module):
+    """Stands in for a FusedLookup of EmbeddingVariables: this rank's shard of every table."""
+
+    _deeprec_leaf = True
+    _deeprec_stateful = True
+
+    def __init__(self, fused: FusedLookup, group=None):
+        super().__init__()
+        if not all(fused.dynamic):
+            raise ConfigError("collective training shards EmbeddingVariables (embedding='variable'); fixed "
+                              "tables are not sharded yet")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.group = group if group is not None else dist.new_group(backend=dist.get_backend())
+        self.num_pooled, self.max_norm, self.dim = fused.num_pooled, fused.max_norm, fused.dim
+        self.optimizer = fused.optimizer
+        self.variables = fused.variables
+        for ev in self.variables:  # this rank keeps (and checkpoints) the keys it owns
+            ev.shard_index, ev.num_shards = self.rank, self.world
+        self._token = torch.zeros(0, requires_grad=True)
+
+    def forward(self, uniques, inverse, offsets, weights, counts, masks=()):
+        sizes = [k.numel() for k in uniques]
+        keys, seen = torch.cat(uniques).long(), torch.cat(counts).long()
+        table = torch.repeat_interleave(torch.arange(len(uniques)), torch.tensor(sizes))
+        owner = shard_of(keys, self.world)
+        order = torch.argsort(owner, stable=True)
+        send_counts = torch.bincount(owner, minlength=self.world)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send_counts, recv_counts = send_counts.tolist(), recv_counts.tolist()
+        asked = _exchange(torch.stack([keys, table, seen], 1)[order], send_counts, recv_counts, self.group)
+        plan = {"order": order, "send_counts": send_counts, "recv_counts": recv_counts, "tables": []}
+        values = torch.empty(asked.shape[0], self.dim)
+        for t, ev in enumerate(self.variables):  # every rank's keys of a table: merged, one lookup
+            sel = torch.nonzero(asked[:, 1] == t).squeeze(1)
+            mine, where = torch.unique(asked[sel, 0], return_inverse=True)
+            merged = torch.zeros(mine.numel(), dtype=torch.long).index_add_(0, where, asked[sel, 2])
+            rows, found, generation = ev.lookup(mine, merged, train=self.training)
+            values[sel] = found[where]
+            plan["tables"].append((sel, where, mine.numel(), rows, generation))
+        if self.training and torch.is_grad_enabled():
+            rows_values = _ReturnRows.apply(self._token, values, self, plan)
+        else:
+            rows_values = _return_rows(values, self, plan)
+        return assemble(rows_values, inverse, offsets, weights, masks, self.num_pooled, self.max_norm)
+
+    def apply(self, plan: dict, grads: torch.Tensor) -> None:
+        """Every rank's gradient of this rank's rows: summed per row, / world (the global batch's
+        mean), one optimizer step."""
+        if self.optimizer is None:
+            raise RuntimeError("a sharded EmbeddingCollection needs a row-sparse optimizer: "
+                               "deeprec.optim.make_optimizer(model) before shard_embeddings")
+        self.optimizer.begin_step()
+        for ev, (sel, where, n, rows, generation) in zip(self.variables, plan["tables"]):
+            g = torch.zeros(n, self.dim).index_add_(0, where, grads[sel]) / self.world
+            ev.global_step = self.optimizer.step_count
+            ev.apply_update(self.optimizer, rows, g, generation)
+
+
+def shard_embeddings(model: nn.Module, group=None) -> int:
+    """Swap every EmbeddingCollection's lookup of EmbeddingVariables for this rank's ShardedLookup
+    (torch.distributed initialized; the optimizer attached before). Returns how many."""
+    if not dist.is_initialized():
+        raise ConfigError("shard_embeddings needs torch.distributed: torch.distributed.init_process_group "
+                          "(torchrun sets MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)")
+    swapped = 0
+    for collection in [m for m in model.modules() if isinstance(m, EmbeddingCollection)]:
+        if isinstance(collection.lookup, FusedLookup) and all(collection.lookup.dynamic):
+            collection.lookup = ShardedLookup(collection.lookup, group)
+            swapped += 1
+    return swapped
+
+
+__all__ = ["ShardedLookup", "shard_embeddings", "EmbeddingVariable"]

@@ -1,0 +1,74 @@
+"""Collective training: EmbeddingVariables sharded over 2 gloo ranks by all-to-all, dense by DDP."""
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import deeprec as dr
+from deeprec.distributed.collective import shard_embeddings
+from deeprec.optim import make_optimizer
+
+WORLD, BATCH, STEPS = 2, 16, 20
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = dr.EmbeddingCollection([dr.nn.EmbeddingFeature("a"), dr.nn.EmbeddingFeature("b", combiner="mean")], 4)
+        self.top = nn.Linear(8, 1)
+
+    def forward(self, ids):
+        return self.top(self.emb(ids).reshape(len(ids["a"]), -1)).squeeze(1)
+
+
+def global_batches():
+    g = torch.Generator().manual_seed(3)
+    return [({"a": torch.randint(0, 50, (WORLD * BATCH,), generator=g),
+              "b": torch.randint(0, 30, (WORLD * BATCH, 3), generator=g)},
+             torch.randint(0, 2, (WORLD * BATCH,), generator=g).float()) for _ in range(STEPS)]
+
+
+def train(model, optimizer, batches, part=slice(None)):
+    for ids, labels in batches:
+        logits = model({k: v[part] for k, v in ids.items()})
+        nn.functional.binary_cross_entropy_with_logits(logits, labels[part]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def rows(model) -> dict:
+    return {f"{name}.{k}": v for name, ev in model.named_modules() if isinstance(ev, dr.EmbeddingVariable)
+            for k, v in ev.export().items()}
+
+
+def _rank(rank, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    model = Tiny()
+    optimizer = make_optimizer(model, "adagrad", 0.05)
+    assert shard_embeddings(model) == 1
+    ddp = nn.parallel.DistributedDataParallel(model)
+    train(ddp, optimizer, global_batches(), slice(rank * BATCH, (rank + 1) * BATCH))
+    torch.save({"dense": {k: v.detach() for k, v in model.named_parameters()}, "rows": rows(model)},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_two_ranks_equal_one_process_on_the_global_batch(tmp_path):
+    mp.spawn(_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+    reference = Tiny()
+    train(reference, make_optimizer(reference, "adagrad", 0.05), global_batches())
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    for name, value in reference.named_parameters():  # DDP: every rank holds the same dense weights
+        for r in ranks:
+            torch.testing.assert_close(r["dense"][name], value.detach(), atol=1e-6, rtol=1e-5)
+    expected = rows(reference)
+    for prefix in {k.rsplit(".", 1)[0] for k in expected if k.endswith(".keys")}:
+        keys = torch.cat([r["rows"][f"{prefix}.keys"] for r in ranks])
+        assert keys.numel() == expected[f"{prefix}.keys"].numel()  # each key on exactly one rank
+        order, ref_order = torch.argsort(keys), torch.argsort(expected[f"{prefix}.keys"])
+        for field in ("values", "freq", "slot.accumulator"):
+            got = torch.cat([r["rows"][f"{prefix}.{field}"] for r in ranks])[order]
+            torch.testing.assert_close(got, expected[f"{prefix}.{field}"][ref_order], atol=1e-6, rtol=1e-5)
