@@ -86,6 +86,11 @@ def train_config(args, console: Console) -> tuple:
             values["protocol"] = task.protocol
         if task.num_workers > 1:
             values["eval_fraction"] = 0.0
+    elif int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:  # a torchrun rank: collective training
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
+        values.update(collective=True, shard_index=rank, num_shards=world, is_chief=rank == 0, eval_fraction=0.0)
+        if note:
+            note = None  # the sample is a smoke run either way; the ranks read their shares of it
     return build(TrainConfig, values), note
 
 

@@ -104,6 +104,7 @@ class TrainConfig:
     shard_index: int = option(0, cli=False, file=False)  # this worker's share of the training data
     num_shards: int = option(1, cli=False, file=False)
     is_chief: bool = option(True, cli=False, file=False)  # evaluates at the end
+    collective: bool = option(False, cli=False, file=False)  # a torchrun rank: embeddings sharded by all-to-all
     master: str | None = option(None, cli=False, file=False)  # worker 0's TF_CONFIG address: all-reduce rendezvous
     # deeprec.optimize's options; SmartStage's executor is "auto" here (measure, then pick off, thread or process)
     optimize: Config = option(factory=lambda: Config(smart_stage_options=SmartStageOptions(executor="auto")))
@@ -129,6 +130,17 @@ class TrainConfig:
         if self.ps_addresses and self.embedding not in (None, "variable"):
             raise ConfigError("parameter-server training keeps embeddings as EmbeddingVariables: "
                               f"embedding={self.embedding!r} is not supported there")
+        if self.collective:
+            if self.embedding != "variable":
+                raise ConfigError("collective training (torchrun) shards EmbeddingVariables: give --embedding variable")
+            if self.steps is None:
+                raise ConfigError("collective training (torchrun) needs --steps: every rank must take the same "
+                                  "number of steps (each exchanges ids with the others)")
+            if self.incremental_every:
+                raise ConfigError("incremental checkpoints of collective training are not implemented yet")
+            if self.eval_data or self.eval_fraction or self.export_dir:
+                raise ConfigError("collective training (torchrun) does not evaluate or export yet: drop --eval-data/"
+                                  "--eval-fraction/--export-dir, then evaluate a checkpoint")
         if self.storage == "ssd":
             if self.embedding != "variable" or self.ps_addresses:
                 raise ConfigError("storage='ssd' tiers EmbeddingVariables of local training: give "
@@ -205,7 +217,8 @@ class Trainer:
                                                   path=cfg.storage_path, cache=cfg.cache, prefetch=cfg.storage_prefetch))
         self.updater = make_updater(self.model, cfg.optimizer, cfg.lr, cfg.ps_addresses, cfg.protocol,
                                     sync_workers=cfg.num_shards if cfg.sync else 1, worker_index=cfg.shard_index,
-                                    num_workers=cfg.num_shards, dense=cfg.dense, master=cfg.master)
+                                    num_workers=cfg.num_shards, dense=cfg.dense, master=cfg.master,
+                                    collective=cfg.collective)
         self.fast = optimize(self.model, cfg.optimize)
         batch_norm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in self.model.modules())
         self.train_reader, self.eval_reader = make_readers(cfg, self.schema, drop_remainder=batch_norm)

@@ -72,3 +72,29 @@ def test_two_ranks_equal_one_process_on_the_global_batch(tmp_path):
         for field in ("values", "freq", "slot.accumulator"):
             got = torch.cat([r["rows"][f"{prefix}.{field}"] for r in ranks])[order]
             torch.testing.assert_close(got, expected[f"{prefix}.{field}"][ref_order], atol=1e-6, rtol=1e-5)
+
+
+def test_torchrun_trains_two_ranks_with_sharded_embeddings(tmp_path, unique_tsv):
+    import subprocess
+    import sys
+
+    from deeprec.checkpoint import load_checkpoint
+    from deeprec.nn import shard_of
+
+    ckpt = tmp_path / "ckpt"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--standalone", "-m", "deeprec", "train", "--data", unique_tsv, "--steps", "8",
+                           "--batch-size", "64", "--embedding", "variable", "--optimizer", "adagrad",
+                           "--checkpoint-dir", str(ckpt), "--no-progress", "--threads", "1"],
+                          capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    states = [load_checkpoint(str(ckpt / f"rank-{r}-of-2" / "checkpoint-000000008.pt"))["model"] for r in range(2)]
+    dense = [k for k, v in states[0].items() if isinstance(v, torch.Tensor) and "variables" not in k
+             and v.is_floating_point()]
+    assert dense and all(torch.equal(states[0][k], states[1][k]) for k in dense)  # replicas stay equal
+    key_names = [k for k in states[0] if k.endswith(".keys")]
+    assert key_names
+    for name in key_names:
+        for rank, state in enumerate(states):  # each rank holds only the rows it owns
+            assert bool((shard_of(state[name], 2) == rank).all())
+    assert sum(states[r][key_names[0]].numel() for r in range(2)) > 0

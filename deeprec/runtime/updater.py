@@ -81,9 +81,14 @@ class LocalUpdater:
 
 def make_updater(model: nn.Module, optimizer: str, lr: float, ps_addresses=(), protocol: str = "star_server",
                  sync_workers: int = 1, worker_index: int = 0, num_workers: int = 1, dense: str = "allreduce",
-                 master: str | None = None) -> Updater:
-    """Local training, or a parameter-server worker when `ps_addresses` are given (the
-    model's embedding lookups are then swapped for remote ones: call before `optimize`)."""
+                 master: str | None = None, collective: bool = False) -> Updater:
+    """Local training, a parameter-server worker when `ps_addresses` are given, or a rank of
+    collective training (the model's embedding lookups are then swapped for remote or sharded
+    ones: call before `optimize`)."""
+    if collective:
+        from deeprec.distributed.collective import CollectiveUpdater
+
+        return CollectiveUpdater(model, optimizer, lr, worker_index, num_workers)
     if not ps_addresses:
         from deeprec.optim import make_optimizer
 
