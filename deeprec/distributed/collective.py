@@ -22,6 +22,7 @@ from deeprec.errors import ConfigError
 from deeprec.nn.collection import EmbeddingCollection, FusedLookup
 from deeprec.nn.lookup import assemble
 from deeprec.nn.variable import EmbeddingVariable, shard_of
+from deeprec.runtime.updater import LocalUpdater
 
 
 def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
@@ -130,7 +131,7 @@ def shard_embeddings(model: nn.Module, group=None) -> int:
 __all__ = ["ShardedLookup", "shard_embeddings", "EmbeddingVariable"]
 
 
-class CollectiveUpdater:
+class CollectiveUpdater(LocalUpdater):
     """The trainer's updater under torchrun (`torchrun --nproc-per-node N -m deeprec train ...`):
     embeddings sharded by all-to-all (updated inside the backward), dense gradients averaged by
     one flat all-reduce per step (deeprec.distributed.allreduce), then the local optimizer."""
@@ -139,39 +140,21 @@ class CollectiveUpdater:
         from deeprec.distributed.allreduce import DenseAllReduce, rendezvous_from_env
         from deeprec.optim import make_optimizer
 
-        self.model, self.rank, self.world_size, self.step = model, rank, world_size, 0
-        self.optimizer = make_optimizer(model, optimizer, lr)  # the row-sparse ones travel with the lookups
+        super().__init__(model, make_optimizer(model, optimizer, lr))  # row-sparse ones travel with the lookups
+        self.rank, self.world_size = rank, world_size
         dense = [p for p in model.parameters() if p.requires_grad]
         self.allreduce = DenseAllReduce(dense, rendezvous_from_env(rank, world_size))
         self.allreduce.broadcast_parameters()  # the replicas start equal
         if not shard_embeddings(model):
             raise ConfigError("collective training shards EmbeddingVariables: give --embedding variable")
 
-    def before_step(self) -> None:
-        pass
-
     def apply(self) -> None:
         self.allreduce.average_gradients()
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-        self.step += 1
+        super().apply()
 
     def discard(self) -> None:
         raise ConfigError("--on-nan skip is not supported with collective training (the other ranks' step "
                           "has already updated their embedding shards): use --on-nan raise")
-
-    def finish(self) -> None:
-        pass
-
-    def prepare_eval(self) -> None:
-        pass
-
-    def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
 
     def checkpoint_dir(self, base: str) -> str:
         return f"{base}/rank-{self.rank}-of-{self.world_size}"  # this rank's shards (resharding: not yet)
