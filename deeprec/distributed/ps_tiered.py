@@ -14,7 +14,7 @@ import torch
 
 from deeprec.errors import ConfigError
 from deeprec.nn.options import EmbeddingVariableOption, StorageOption
-from deeprec.nn.tiered import TieredEmbeddingVariable
+from deeprec.nn.tiered import TieredEmbeddingVariable, sum_tier_stats
 from deeprec.optim import sparse
 from deeprec.optim.sparse import merge_rows
 
@@ -103,8 +103,4 @@ class TieredArena:
             self.variables[var].load({**state, "global_step": torch.tensor(self.optimizer.step_count)})
 
     def tier_stats(self) -> dict:
-        total: dict = {}
-        for ev in self.variables:
-            for k, v in ev.tier_stats().items():
-                total[k] = total.get(k, 0) + v
-        return total
+        return sum_tier_stats(self.variables)

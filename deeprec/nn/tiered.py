@@ -59,14 +59,14 @@ class TieredEmbeddingVariable(EmbeddingVariable):
         self._disk_index = KeyIndex()
 
     def _row_bytes(self) -> int:
-        """DRAM bytes of one cached row: value, slots, key, freq, version, last use, three flags."""
-        slots = sum(self.embedding_dim if per_element else 1 for _, per_element in self._slot_init.values())
-        return 4 * (self.embedding_dim + slots) + 8 * 4 + 3
+        """DRAM bytes of one cached row: value and slots, key, freq, version, last use, three flags."""
+        return 4 * self._disk_width() + 8 * 4 + 3
 
     def _cache_rows(self) -> int:
         return max(_MIN_CACHE_ROWS, self.option.storage.dram_bytes // self._row_bytes())
 
     def _disk_width(self) -> int:
+        """Floats of a row's record: its value, then each optimizer slot."""
         return self.embedding_dim + sum(self.embedding_dim if e else 1 for _, e in self._slot_init.values())
 
     def _grow(self, needed: int) -> None:
@@ -116,7 +116,8 @@ class TieredEmbeddingVariable(EmbeddingVariable):
         # rows a prefetch promoted for a later batch go only when nothing else can: a prefetch
         # never makes a lookup fail
         spare = self.occupied & protected & self.staged
-        regular, available = int(candidates.sum()), int(candidates.sum()) + int(spare.sum())
+        regular = int(candidates.sum())
+        available = regular + int(spare.sum())
         if available < needed:
             raise ConfigError(
                 f"EmbeddingVariable {self.name!r}: StorageOption.dram_bytes={self.option.storage.dram_bytes} holds "
@@ -136,27 +137,37 @@ class TieredEmbeddingVariable(EmbeddingVariable):
         slots = self.disk.allocate(rows.numel())
         self.disk.write(slots, self._floats(rows), keys, self.freq[rows], self.version[rows], self.dirty[rows])
         self._disk_index.insert(keys.numpy(), slots.numpy())
-        self._index.insert(keys.numpy(), torch.full_like(keys, -1).numpy())  # khash has no delete: -1 = absent
+        _forget(self._index, keys)
+        self._free_rows(rows)
+        self.stats["disk_writes"] += rows.numel()
+        self.stats["bytes_written"] += rows.numel() * self.disk.record_bytes
+
+    def _free_rows(self, rows: torch.Tensor) -> None:
+        """DRAM rows whose keys left (to disk, or evicted): back on the free stack. A lookup's
+        rows held since may now be another key's: `_moves` tells an update to find its keys again."""
         self.occupied[rows] = False
         self.staged[rows] = False
         self._free = torch.cat([self._free, rows])
         self.size -= rows.numel()
         self._moves += 1
-        self.stats["disk_writes"] += rows.numel()
-        self.stats["bytes_written"] += rows.numel() * self.disk.record_bytes
 
     def _floats(self, rows: torch.Tensor) -> torch.Tensor:
         parts = [self.weight[rows]] + [slot[rows].reshape(rows.numel(), -1) for slot in self.slots.values()]
         return torch.cat(parts, 1)
 
-    def _set_floats(self, rows, floats: torch.Tensor) -> None:
-        d = self.embedding_dim
-        self.weight[rows] = floats[:, :d]
-        offset = d
-        for slot in self.slots.values():
-            width = d if slot.dim() == 2 else 1
-            slot[rows] = floats[:, offset:offset + width].reshape(slot[rows].shape)
+    def _float_parts(self, floats: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A record's floats split back (views): "values" [n, dim] and "slot.NAME" in the slot's shape."""
+        parts, offset = {"values": floats[:, : self.embedding_dim]}, self.embedding_dim
+        for name, slot in self.slots.items():
+            width = self.embedding_dim if slot.dim() == 2 else 1
+            parts[f"slot.{name}"] = floats[:, offset:offset + width].reshape(-1, *slot.shape[1:])
             offset += width
+        return parts
+
+    def _set_floats(self, rows, floats: torch.Tensor) -> None:
+        for name, part in self._float_parts(floats).items():
+            target = self.weight if name == "values" else self.slots[name[len("slot."):]]
+            target[rows] = part
 
     def _promote(self, keys: torch.Tensor, staged: bool = False) -> int:
         """Move the keys held on disk (of these distinct keys, none in DRAM) into DRAM; returns how many.
@@ -176,7 +187,7 @@ class TieredEmbeddingVariable(EmbeddingVariable):
         self.staged[rows] = staged
         self.last_used[rows] = self._tick
         self._index.insert(keys.numpy(), rows.numpy())
-        self._disk_index.insert(keys.numpy(), torch.full_like(keys, -1).numpy())
+        _forget(self._disk_index, keys)
         self.disk.release(slots)
         self.size += keys.numel()
         self.stats["bytes_read"] += keys.numel() * self.disk.record_bytes
@@ -252,13 +263,8 @@ class TieredEmbeddingVariable(EmbeddingVariable):
     # -- eviction policies, checkpoints -------------------------------------------------------
     def _disk_state(self, slots: torch.Tensor) -> dict:
         floats, ints = self.disk.read(slots)
-        state = {"keys": ints[:, 0], "values": floats[:, : self.embedding_dim].clone(),
-                 "freq": ints[:, 1], "version": ints[:, 2]}
-        offset = self.embedding_dim
-        for name, slot in self.slots.items():
-            width = self.embedding_dim if slot.dim() == 2 else 1
-            state[f"slot.{name}"] = floats[:, offset:offset + width].reshape(-1, *slot.shape[1:]).clone()
-            offset += width
+        state = {"keys": ints[:, 0], "freq": ints[:, 1], "version": ints[:, 2]}
+        state.update({name: part.clone() for name, part in self._float_parts(floats).items()})
         return state
 
     def _state(self, dirty_only: bool = False) -> dict:
@@ -303,12 +309,9 @@ class TieredEmbeddingVariable(EmbeddingVariable):
                 drop_disk = disk_slots[low(self.disk.read(disk_slots)[0][:, : self.embedding_dim])]
             else:
                 raise ConfigError(f"unknown evict_option {policy!r}")
-            for index, keys in ((self._index, self.keys[drop_cache]), (self._disk_index, self.disk.ints[drop_disk, 0])):
-                index.insert(keys.numpy(), torch.full_like(keys, -1).numpy())
-            self.occupied[drop_cache] = False
-            self._moves += 1
-            self._free = torch.cat([self._free, drop_cache])
-            self.size -= drop_cache.numel()
+            _forget(self._index, self.keys[drop_cache])
+            _forget(self._disk_index, self.disk.ints[drop_disk, 0])
+            self._free_rows(drop_cache)
             self.disk.release(drop_disk)
             return drop_cache.numel() + drop_disk.numel()
 
@@ -351,17 +354,8 @@ class TieredEmbeddingVariable(EmbeddingVariable):
     # -- copies and reporting ------------------------------------------------------------------
     def __deepcopy__(self, memo):
         """An all-DRAM EmbeddingVariable with every row (what serving export freezes)."""
-        option = dataclasses.replace(self.option, storage=StorageOption())
-        plain = EmbeddingVariable(self.embedding_dim, key_dtype=self.key_dtype, ev_option=option, name=self.name,
-                                  shard_index=self.shard_index, num_shards=self.num_shards)
-        plain.attach_slots(dict(self._slot_init))
-        plain.optimizer = copy.deepcopy(self.optimizer, memo)
-        plain.training = self.training
         with self._lock:
-            state = self._state()
-            state["global_step"] = torch.tensor(self.global_step)
-            plain.load(state)
-        return plain
+            return _with_storage(self, StorageOption(), self._state(), copy.deepcopy(self.optimizer, memo))
 
     def __getstate__(self):
         raise TypeError(f"a tiered EmbeddingVariable ({self.name!r}) cannot be pickled (its rows are on disk): "
@@ -381,20 +375,40 @@ class TieredEmbeddingVariable(EmbeddingVariable):
                 f"cache={self.option.storage.cache!r}")
 
 
-def tier_summary(model: torch.nn.Module) -> dict | None:
-    """The tiered EmbeddingVariables' stats, summed (None if the model has none)."""
-    tiered = [m for m in model.modules() if isinstance(m, TieredEmbeddingVariable)]
-    if not tiered:
-        return None
+def _forget(index: KeyIndex, keys: torch.Tensor) -> None:
+    """Drop the keys from a tier's index (pandas' khash has no delete: -1 reads as absent)."""
+    index.insert(keys.numpy(), torch.full_like(keys, -1).numpy())
+
+
+def _with_storage(ev: EmbeddingVariable, storage: StorageOption, state: dict, optimizer,
+                  name: str | None = None) -> EmbeddingVariable:
+    """A new EmbeddingVariable like `ev` (options, shard, slots, mode, step) with this storage,
+    holding `state`'s rows."""
+    out = EmbeddingVariable(ev.embedding_dim, key_dtype=ev.key_dtype, ev_option=dataclasses.replace(
+        ev.option, storage=storage), name=name or ev.name, shard_index=ev.shard_index, num_shards=ev.num_shards)
+    out.attach_slots(dict(ev._slot_init))
+    out.optimizer, out.training = optimizer, ev.training
+    out.load({**state, "global_step": torch.tensor(ev.global_step)})
+    return out
+
+
+def sum_tier_stats(variables: list[TieredEmbeddingVariable]) -> dict:
+    """The variables' tier stats summed, with the hit rate of the sums."""
     total: dict = {}
-    for ev in tiered:
+    for ev in variables:
         for k, v in ev.tier_stats().items():
             if k != "hit_rate":
                 total[k] = total.get(k, 0) + v
-    looked = total["hits"] + total["disk_reads"]
+    looked = total.get("hits", 0) + total.get("disk_reads", 0)
     total["hit_rate"] = total["hits"] / looked if looked else 1.0
-    total["variables"] = len(tiered)
+    total["variables"] = len(variables)
     return total
+
+
+def tier_summary(model: torch.nn.Module) -> dict | None:
+    """The tiered EmbeddingVariables' stats, summed (None if the model has none)."""
+    tiered = [m for m in model.modules() if isinstance(m, TieredEmbeddingVariable)]
+    return sum_tier_stats(tiered) if tiered else None
 
 
 def describe_tiers(total: dict) -> str:
@@ -415,16 +429,9 @@ def use_storage(model: torch.nn.Module, storage: StorageOption | dict[str, Stora
              if isinstance(m, EmbeddingVariable) and not isinstance(m, TieredEmbeddingVariable)
              and (isinstance(storage, StorageOption) or m.name in storage)]
     for name, ev in found:
-        option = dataclasses.replace(ev.option, storage=storage if isinstance(storage, StorageOption) else storage[ev.name])
-        tiered = EmbeddingVariable(ev.embedding_dim, key_dtype=ev.key_dtype, ev_option=option, name=ev.name or name,
-                                   shard_index=ev.shard_index, num_shards=ev.num_shards)
-        tiered.attach_slots(dict(ev._slot_init))
-        tiered.optimizer, tiered.training = ev.optimizer, ev.training
         with ev._lock:
-            if ev.size:
-                state = ev._rows_state(torch.arange(ev.size))
-                state["global_step"] = torch.tensor(ev.global_step)
-                tiered.load(state)
+            tiered = _with_storage(ev, storage if isinstance(storage, StorageOption) else storage[ev.name],
+                                   ev._rows_state(torch.arange(ev.size)), ev.optimizer, name=ev.name or name)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, tiered)
     return len(found)

@@ -246,33 +246,32 @@ class PrefetchHook:
         return self.runner.stats
 
 
-def _async_lookups(gm: torch.fx.GraphModule, partition: StagePartition | None) -> list:
-    """The remote embedding lookups (rows on parameter servers: they can `prefetch`)
-    whose keys come out of the stage, with their index in the cut."""
+def _stage_fed_lookups(gm: torch.fx.GraphModule, partition: StagePartition | None, wanted) -> list:
+    """The lookup modules (`wanted(module)`) whose keys come out of the stage, with their index in the cut."""
     cut = partition.cut if partition is not None and partition.stage is not None else []
     found = []
     for node in gm.graph.nodes:
-        if node.op == "call_module" and hasattr(gm.get_submodule(node.target), "prefetch"):
-            keys = node.args[0]
+        if node.op == "call_module" and wanted(gm.get_submodule(node.target)):
+            keys = node.args[0] if node.args else None
             if isinstance(keys, torch.fx.Node) and keys.name in cut:
                 found.append((gm.get_submodule(node.target), cut.index(keys.name)))
     return found
 
 
+def _async_lookups(gm: torch.fx.GraphModule, partition: StagePartition | None) -> list:
+    """The remote embedding lookups (rows on parameter servers: they can `prefetch`) fed by the stage."""
+    return _stage_fed_lookups(gm, partition, lambda module: hasattr(module, "prefetch"))
+
+
+def _prefetches(ev) -> bool:
+    """A tiered EmbeddingVariable whose StorageOption asks SmartStage to promote its rows ahead."""
+    return hasattr(ev, "prefetch_rows") and ev.option.storage.prefetch
+
+
 def _tier_lookups(gm: torch.fx.GraphModule, partition: StagePartition | None) -> list:
-    """Fused lookups of tiered EmbeddingVariables (with StorageOption.prefetch) whose keys come
-    out of the stage, with their index in the cut."""
-    cut = partition.cut if partition is not None and partition.stage is not None else []
-    found = []
-    for node in gm.graph.nodes:
-        if node.op != "call_module":
-            continue
-        module = gm.get_submodule(node.target)
-        tiered = [ev.option.storage.prefetch and hasattr(ev, "prefetch_rows") for ev in getattr(module, "variables", ())]
-        keys = node.args[0] if node.args else None
-        if any(tiered) and isinstance(keys, torch.fx.Node) and keys.name in cut:
-            found.append((module, cut.index(keys.name)))
-    return found
+    """Fused lookups with a tiered EmbeddingVariable to prefetch, fed by the stage."""
+    return _stage_fed_lookups(gm, partition,
+                              lambda module: any(_prefetches(ev) for ev in getattr(module, "variables", ())))
 
 
 def _start_pulls(lookups: list, tier_lookups: list = ()):
@@ -285,7 +284,7 @@ def _start_pulls(lookups: list, tier_lookups: list = ()):
         for lookup, index in tier_lookups:
             with record_function("deeprec.tiers.prefetch"):
                 for ev, keys in zip(lookup.variables, values[index]):
-                    if ev.option.storage.prefetch and hasattr(ev, "prefetch_rows"):
+                    if _prefetches(ev):
                         ev.prefetch_rows(keys)
     return pull
 
