@@ -109,9 +109,9 @@ def latest_checkpoint(directory: str) -> str | None:
     return found[-1] if found else None
 
 
-def load_checkpoint(path: str) -> dict:
-    """The checkpoint's state, after checking its payload against its manifest;
-    CheckpointError naming the file when it is incomplete, truncated or corrupt."""
+def verified_payload(path: str) -> bytes:
+    """The checkpoint's payload after checking it against its manifest; CheckpointError naming
+    the file when it is incomplete, truncated or corrupt."""
     try:
         with open(manifest_path(path), "rb") as f:
             manifest = json.loads(f.read())
@@ -129,6 +129,12 @@ def load_checkpoint(path: str) -> dict:
         raise CheckpointError(f"truncated: {len(payload)} bytes, the manifest says {expected}", path)
     if hashlib.sha256(payload).hexdigest() != digest:
         raise CheckpointError("corrupt: the payload's sha256 differs from its manifest", path)
+    return payload
+
+
+def load_checkpoint(path: str) -> dict:
+    """The checkpoint's state, verified first (`verified_payload`)."""
+    payload = verified_payload(path)
     try:
         # weights_only: a checkpoint holds tensors and plain containers; nothing is unpickled beyond that
         return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)

@@ -254,7 +254,42 @@ class Trainer:
 
     def _restore(self) -> None:
         """The newest intact full checkpoint, then the intact incremental ones after it, in
-        order; a corrupt or incomplete one is skipped with a warning naming it."""
+        order; a corrupt or incomplete one is skipped with a warning naming it. Collective
+        training: the newest step all ranks saved, resharded onto this world size."""
+        if self.cfg.collective:
+            from deeprec.distributed.reshard import restore_collective
+
+            found = restore_collective(self.cfg.checkpoint_dir, self.cfg.shard_index, self.cfg.num_shards)
+            states, skipped, reader = [], [], None
+            if found is not None:
+                state, paths, same_world, skipped = found
+                states = [(path, state) for path in paths[:1]]
+                reader = state["reader"] if same_world else {  # a K-way position means nothing N-way
+                    "epoch": state["reader_epoch"], "batches": 0, "fingerprint": self.train_reader.state_dict()["fingerprint"]}
+                if not same_world:
+                    self.console.print(f"resharded {len(paths)} ranks' checkpoints onto {self.cfg.num_shards} ranks; "
+                                       f"the readers restart at the start of epoch {reader['epoch']}")
+        else:
+            states, skipped = self._checkpoint_chain()
+            reader = states[-1][1]["reader"] if states else None
+        for err in skipped:
+            self.console.print(f"[yellow]warning:[/yellow] skipped {escape(str(err))}", highlight=False)
+            log.warning("resume skipped %s", err)
+        if not states:
+            self.console.print(f"no checkpoint in {self.cfg.checkpoint_dir}: starting from step 0")
+            return
+        for path, state in states:
+            if state["model_name"] != self.cfg.model:
+                raise ConfigError(f"{path} holds a {state['model_name']!r} model, not {self.cfg.model!r}")
+            self.updater.load_state_dict(state)
+        self.train_reader.load_state_dict(reader)
+        self._reader_state = reader
+        torch.set_rng_state(state["torch_rng"])
+        self.updater.step = int(state["step"])
+        self.console.print(f"resumed from {', '.join(os.path.basename(path) for path, _ in states)} at step {self.step}")
+
+    def _checkpoint_chain(self) -> tuple[list, list]:
+        """[(path, state)] to load in order, and the problems skipped."""
         directory = self.updater.checkpoint_dir(self.cfg.checkpoint_dir)
         fulls, skipped, base, states = list_checkpoints(directory), [], None, []
         for path in reversed(fulls):
@@ -273,22 +308,7 @@ class Trainer:
             except CheckpointError as err:  # the later ones build on this one: stop here
                 skipped.append(err)
                 break
-        for err in skipped:
-            self.console.print(f"[yellow]warning:[/yellow] skipped {escape(str(err))}", highlight=False)
-            log.warning("resume skipped %s", err)
-        if not states:
-            self.console.print(f"no checkpoint in {directory}: starting from step 0")
-            return
-        chain = [path for path, _ in states]
-        for path, state in states:
-            if state["model_name"] != self.cfg.model:
-                raise ConfigError(f"{path} holds a {state['model_name']!r} model, not {self.cfg.model!r}")
-            self.updater.load_state_dict(state)
-        self.train_reader.load_state_dict(state["reader"])
-        self._reader_state = state["reader"]
-        torch.set_rng_state(state["torch_rng"])
-        self.updater.step = int(state["step"])
-        self.console.print(f"resumed from {', '.join(map(os.path.basename, chain))} at step {self.step}")
+        return states, skipped
 
     # -- loop ------------------------------------------------------------------------
     def _export_now(self, final: bool = False) -> None:

@@ -1,5 +1,7 @@
 """Collective training: EmbeddingVariables sharded over 2 gloo ranks by all-to-all, dense by DDP."""
 import os
+import subprocess
+import sys
 
 import torch
 import torch.distributed as dist
@@ -7,7 +9,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import deeprec as dr
+from deeprec.checkpoint import load_checkpoint
 from deeprec.distributed.collective import shard_embeddings
+from deeprec.nn import shard_of
 from deeprec.optim import make_optimizer
 
 WORLD, BATCH, STEPS = 2, 16, 20
@@ -74,21 +78,24 @@ def test_two_ranks_equal_one_process_on_the_global_batch(tmp_path):
             torch.testing.assert_close(got, expected[f"{prefix}.{field}"][ref_order], atol=1e-6, rtol=1e-5)
 
 
-def test_torchrun_trains_two_ranks_with_sharded_embeddings(tmp_path, unique_tsv):
-    import subprocess
-    import sys
-
-    from deeprec.checkpoint import load_checkpoint
-    from deeprec.nn import shard_of
-
-    ckpt = tmp_path / "ckpt"
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--standalone", "-m", "deeprec", "train", "--data", unique_tsv, "--steps", "8",
-                           "--batch-size", "64", "--embedding", "variable", "--optimizer", "adagrad",
-                           "--checkpoint-dir", str(ckpt), "--no-progress", "--threads", "1"],
+def torchrun(ranks: int, *args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+                           "--standalone", "-m", "deeprec", "train", "--embedding", "variable", "--optimizer",
+                           "adagrad", "--batch-size", "64", "--no-progress", "--threads", "1", *args],
                           capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
-    states = [load_checkpoint(str(ckpt / f"rank-{r}-of-2" / "checkpoint-000000008.pt"))["model"] for r in range(2)]
+    return done
+
+
+def rank_states(ckpt, world: int, step: int) -> list[dict]:
+    return [load_checkpoint(str(ckpt / f"rank-{r}-of-{world}" / f"checkpoint-{step:09d}.pt"))["model"]
+            for r in range(world)]
+
+
+def test_torchrun_trains_two_ranks_then_resumes_resharded_on_three(tmp_path, unique_tsv):
+    ckpt = tmp_path / "ckpt"
+    torchrun(2, "--data", unique_tsv, "--steps", "8", "--checkpoint-dir", str(ckpt))
+    states = rank_states(ckpt, 2, 8)
     dense = [k for k, v in states[0].items() if isinstance(v, torch.Tensor) and "variables" not in k
              and v.is_floating_point()]
     assert dense and all(torch.equal(states[0][k], states[1][k]) for k in dense)  # replicas stay equal
@@ -98,3 +105,22 @@ def test_torchrun_trains_two_ranks_with_sharded_embeddings(tmp_path, unique_tsv)
         for rank, state in enumerate(states):  # each rank holds only the rows it owns
             assert bool((shard_of(state[name], 2) == rank).all())
     assert sum(states[r][key_names[0]].numel() for r in range(2)) > 0
+
+    # 2 ranks -> 3 ranks: every old row lands on its new owner, unchanged until it is trained again
+    done = torchrun(3, "--data", unique_tsv, "--steps", "10", "--checkpoint-dir", str(ckpt), "--resume")
+    assert "resharded 2 ranks' checkpoints onto 3 ranks" in done.stderr + done.stdout
+    after = rank_states(ckpt, 3, 10)
+    assert all(torch.equal(after[0][k], after[r][k]) for k in dense for r in (1, 2))
+    untouched = 0
+    for name in key_names:
+        prefix = name[: -len("keys")]
+        for rank, state in enumerate(after):
+            assert bool((shard_of(state[name], 3) == rank).all())
+        old = {int(k): (v, ver) for s in states for k, v, ver in zip(s[name], s[prefix + "values"], s[prefix + "version"])}
+        new = {int(k): (v, ver) for s in after for k, v, ver in zip(s[name], s[prefix + "values"], s[prefix + "version"])}
+        assert set(old) <= set(new)  # no row lost
+        same = [k for k in old if int(new[k][1]) <= 8]  # not updated since the resume
+        assert all(torch.equal(old[k][0], new[k][0]) for k in same)
+        assert all(int(new[k][1]) > 8 for k in set(new) - set(old))
+        untouched += len(same)
+    assert untouched > 0

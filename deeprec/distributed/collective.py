@@ -22,6 +22,7 @@ from deeprec.errors import ConfigError
 from deeprec.nn.collection import EmbeddingCollection, FusedLookup
 from deeprec.nn.lookup import assemble
 from deeprec.nn.variable import EmbeddingVariable, shard_of
+from deeprec.distributed.reshard import rank_dir
 from deeprec.runtime.updater import LocalUpdater
 
 
@@ -101,6 +102,13 @@ class ShardedLookup(nn.Module):
             rows_values = _return_rows(values, self, plan)
         return assemble(rows_values, inverse, offsets, weights, masks, self.num_pooled, self.max_norm)
 
+    def get_extra_state(self):  # the row-sparse optimizer's step count (Adam's bias correction, row versions)
+        return {"optimizer": self.optimizer.state_dict() if self.optimizer else None}
+
+    def set_extra_state(self, state):
+        if state and state.get("optimizer") and self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+
     def apply(self, plan: dict, grads: torch.Tensor) -> None:
         """Every rank's gradient of this rank's rows: summed per row, / world (the global batch's
         mean), one optimizer step."""
@@ -157,4 +165,4 @@ class CollectiveUpdater(LocalUpdater):
                           "has already updated their embedding shards): use --on-nan raise")
 
     def checkpoint_dir(self, base: str) -> str:
-        return f"{base}/rank-{self.rank}-of-{self.world_size}"  # this rank's shards (resharding: not yet)
+        return rank_dir(base, self.rank, self.world_size)  # this rank's shards (deeprec.distributed.reshard)
