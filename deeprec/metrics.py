@@ -51,29 +51,52 @@ class StreamingMetrics:
         return {"auc": auc, "auc_error_bound": bound, "logloss": logloss}
 
 
+class Evaluation:
+    """StreamingMetrics of every task of a model: fed batch by batch, summed across ranks."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.names = tuple(getattr(model, "label_columns", ("label",)))
+        self.metrics = [StreamingMetrics() for _ in self.names]
+
+    def update(self, batch: dict, logits: torch.Tensor) -> None:
+        logits = (logits if logits.dim() == 2 else logits.unsqueeze(1)).float().numpy()
+        for k, name in enumerate(self.names):
+            self.metrics[k].update(batch[name].numpy(), logits[:, k])
+
+    def all_reduce(self, group=None) -> None:
+        """Every rank's histograms and sums added up (torch.distributed), so each holds the whole."""
+        import torch.distributed as dist
+
+        for m in self.metrics:
+            counts = torch.from_numpy(np.stack([m.pos, m.neg]))
+            sums = torch.tensor([m.loss_sum, float(m.rows)], dtype=torch.float64)
+            dist.all_reduce(counts, group=group)
+            dist.all_reduce(sums, group=group)
+            m.pos, m.neg = counts[0].numpy(), counts[1].numpy()
+            m.loss_sum, m.rows = float(sums[0]), int(sums[1])
+
+    def result(self) -> dict:
+        rows = self.metrics[0].rows
+        if not rows:
+            return {"rows": 0, "auc": float("nan"), "logloss": float("nan")}
+        tasks = {name: m.result() for name, m in zip(self.names, self.metrics)}
+        result = {"rows": rows, **tasks[self.names[0]]}
+        if len(self.names) > 1:
+            result["tasks"] = tasks
+        return result
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, reader) -> dict:
     """AUC and log loss of the model's predictions over one pass of `reader`, in bounded
     memory; a multi-task model (logits [B, T]) gets them per task under "tasks", the
     first task's at the top level."""
-    names = tuple(getattr(model, "label_columns", ("label",)))
-    metrics = [StreamingMetrics() for _ in names]
+    evaluation = Evaluation(model)
     was_training = model.training
     model.eval()
-    rows = 0
     try:
         for batch in reader:
-            out = model(batch)["logits"].float()
-            logits = (out if out.dim() == 2 else out.unsqueeze(1)).numpy()
-            for k, name in enumerate(names):
-                metrics[k].update(batch[name].numpy(), logits[:, k])
-            rows += len(logits)
+            evaluation.update(batch, model(batch)["logits"])
     finally:
         model.train(was_training)
-    if not rows:
-        return {"rows": 0, "auc": float("nan"), "logloss": float("nan")}
-    tasks = {name: m.result() for name, m in zip(names, metrics)}
-    result = {"rows": rows, **tasks[names[0]]}
-    if len(names) > 1:
-        result["tasks"] = tasks
-    return result
+    return evaluation.result()

@@ -138,9 +138,9 @@ class TrainConfig:
                                   "number of steps (each exchanges ids with the others)")
             if self.incremental_every:
                 raise ConfigError("incremental checkpoints of collective training are not implemented yet")
-            if self.eval_data or self.eval_fraction or self.export_dir:
-                raise ConfigError("collective training (torchrun) does not evaluate or export yet: drop --eval-data/"
-                                  "--eval-fraction/--export-dir, then evaluate a checkpoint")
+            if self.export_dir:
+                raise ConfigError("serving exports of collective training (torchrun) are not implemented yet: drop "
+                                  "--export-dir and export a checkpoint with deeprec export")
         if self.storage == "ssd":
             if self.embedding != "variable" or self.ps_addresses:
                 raise ConfigError("storage='ssd' tiers EmbeddingVariables of local training: give "
@@ -180,6 +180,8 @@ def make_readers(cfg: TrainConfig, schema=None, drop_remainder: bool = False):
     if cfg.num_shards > 1:  # a PS worker reads its share
         train_kw.update(shard_index=cfg.shard_index, num_shards=cfg.num_shards)
     eval_kw = dict(num_epochs=1, **common)
+    if cfg.collective:  # every rank evaluates its share (deeprec.distributed.collective.evaluate_sharded)
+        eval_kw.update(shard_index=cfg.shard_index, num_shards=cfg.num_shards)
     if cfg.eval_data:
         return open_reader(cfg.data, cfg.batch_size, **train_kw), open_reader(cfg.eval_data, cfg.eval_batch_size, **eval_kw)
     if cfg.eval_fraction:
@@ -325,11 +327,15 @@ class Trainer:
         """One pass over the evaluation data from its start, in bounded memory."""
         self.updater.prepare_eval()
         self.eval_reader.load_state_dict(self._eval_start)
+        if self.cfg.collective:
+            from deeprec.distributed.collective import evaluate_sharded
+
+            return evaluate_sharded(self.model, self.eval_reader)
         return evaluate(self.model, self.eval_reader)
 
     def _evaluate_now(self, progress) -> None:
         """--eval-every: evaluate during training and keep the result."""
-        if not self.cfg.is_chief:
+        if not (self.cfg.is_chief or self.cfg.collective):
             return
         metrics = self._evaluate()
         self.eval_history.append({"step": self.step, **metrics})
@@ -411,7 +417,7 @@ class Trainer:
             result["auto_executor"] = self.fast.auto_decision.executor
         if self.eval_history:
             result["eval_history"] = self.eval_history
-        if self.eval_reader is not None and cfg.is_chief:
+        if self.eval_reader is not None and (cfg.is_chief or cfg.collective):
             result["eval"] = self._evaluate()
         return result
 

@@ -10,7 +10,9 @@ from torch import nn
 
 import deeprec as dr
 from deeprec.checkpoint import load_checkpoint
-from deeprec.distributed.collective import shard_embeddings
+from deeprec.distributed.collective import evaluate_sharded, shard_embeddings
+from deeprec.errors import ConfigError
+from deeprec.metrics import evaluate
 from deeprec.nn import shard_of
 from deeprec.optim import make_optimizer
 
@@ -48,6 +50,23 @@ def rows(model) -> dict:
             for k, v in ev.export().items()}
 
 
+class Scored(nn.Module):
+    """Tiny as deeprec.metrics.evaluate sees a model: batch dict in, {"logits"} out."""
+
+    def __init__(self, tiny):
+        super().__init__()
+        self.tiny = tiny
+
+    def forward(self, batch):
+        return {"logits": self.tiny({"a": batch["a"], "b": batch["b"]})}
+
+
+def eval_batches():
+    g = torch.Generator().manual_seed(5)
+    return [{"a": torch.randint(0, 80, (n,), generator=g), "b": torch.randint(0, 40, (n, 3), generator=g),
+             "label": torch.randint(0, 2, (n,), generator=g).float()} for n in (16, 9, 16, 5)]
+
+
 def _rank(rank, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     model = Tiny()
@@ -55,8 +74,15 @@ def _rank(rank, init_file, out_dir):
     assert shard_embeddings(model) == 1
     ddp = nn.parallel.DistributedDataParallel(model)
     train(ddp, optimizer, global_batches(), slice(rank * BATCH, (rank + 1) * BATCH))
-    torch.save({"dense": {k: v.detach() for k, v in model.named_parameters()}, "rows": rows(model)},
-               os.path.join(out_dir, f"rank{rank}.pt"))
+    share = eval_batches()[:3] if rank == 0 else eval_batches()[3:]  # uneven: rank 1 waits 2 batches
+    metrics = evaluate_sharded(Scored(model), share)
+    try:
+        evaluate_sharded(Scored(model), eval_batches() if rank == 0 else [])
+        empty = None
+    except ConfigError as err:
+        empty = str(err)
+    torch.save({"dense": {k: v.detach() for k, v in model.named_parameters()}, "rows": rows(model),
+                "eval": metrics, "empty": empty}, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -65,6 +91,12 @@ def test_two_ranks_equal_one_process_on_the_global_batch(tmp_path):
     reference = Tiny()
     train(reference, make_optimizer(reference, "adagrad", 0.05), global_batches())
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    expected_eval = evaluate(Scored(reference), eval_batches())
+    for r in ranks:  # every rank holds the metrics of all ranks' shares
+        assert r["eval"]["rows"] == expected_eval["rows"] == 46
+        assert abs(r["eval"]["auc"] - expected_eval["auc"]) < 1e-12
+        assert abs(r["eval"]["logloss"] - expected_eval["logloss"]) < 1e-6
+        assert "1 rank(s) got no evaluation rows" in r["empty"]  # both ranks stop, neither hangs
     for name, value in reference.named_parameters():  # DDP: every rank holds the same dense weights
         for r in ranks:
             torch.testing.assert_close(r["dense"][name], value.detach(), atol=1e-6, rtol=1e-5)
@@ -94,7 +126,9 @@ def rank_states(ckpt, world: int, step: int) -> list[dict]:
 
 def test_torchrun_trains_two_ranks_then_resumes_resharded_on_three(tmp_path, unique_tsv):
     ckpt = tmp_path / "ckpt"
-    torchrun(2, "--data", unique_tsv, "--steps", "8", "--checkpoint-dir", str(ckpt))
+    done = torchrun(2, "--data", unique_tsv, "--steps", "8", "--checkpoint-dir", str(ckpt), "--eval-data", unique_tsv)
+    evals = [line for line in done.stdout.splitlines() if "eval rows" in line]
+    assert len(evals) == 2 and all("10,000" in line for line in evals)  # both ranks: all rows, gathered
     states = rank_states(ckpt, 2, 8)
     dense = [k for k, v in states[0].items() if isinstance(v, torch.Tensor) and "variables" not in k
              and v.is_floating_point()]

@@ -136,7 +136,49 @@ def shard_embeddings(model: nn.Module, group=None) -> int:
     return swapped
 
 
-__all__ = ["ShardedLookup", "shard_embeddings", "EmbeddingVariable"]
+@torch.no_grad()
+def evaluate_sharded(model: nn.Module, reader) -> dict:
+    """deeprec.metrics.evaluate on every rank at once, each over its share of the evaluation data.
+
+    The ranks step together (each forward exchanges ids with the others): a rank whose share has
+    ended runs its last batch again, uncounted, until every share has ended. The metrics'
+    histograms and sums are then added up over the ranks, so every rank returns the whole."""
+    from deeprec.metrics import Evaluation
+
+    evaluation, last = Evaluation(model), None
+    was_training = model.training
+    model.eval()
+    try:
+        for batch in _lockstep(reader):
+            if batch is None:
+                model(last)  # answers the other ranks' lookups
+                continue
+            evaluation.update(batch, model(batch)["logits"])
+            last = batch
+    finally:
+        model.train(was_training)
+    evaluation.all_reduce()
+    return evaluation.result()
+
+
+def _lockstep(reader):
+    """This rank's batches, then None while another rank still has batches."""
+    batches = iter(reader)
+    started = False
+    while True:
+        batch = next(batches, None)
+        state = torch.tensor([batch is not None, batch is None and not started], dtype=torch.int64)
+        dist.all_reduce(state)
+        if int(state[1]):  # every rank learns it, so none waits in a lookup for it
+            raise ConfigError(f"{int(state[1])} rank(s) got no evaluation rows: their share of the evaluation data "
+                              "is empty; give more evaluation data (files are split into byte ranges) or fewer ranks")
+        if not int(state[0]):
+            return
+        started = True
+        yield batch
+
+
+__all__ = ["ShardedLookup", "shard_embeddings", "evaluate_sharded", "CollectiveUpdater"]
 
 
 class CollectiveUpdater(LocalUpdater):
