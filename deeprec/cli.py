@@ -141,7 +141,8 @@ def cmd_launch(args, console: Console) -> int:
     from deeprec.distributed.launch import launch
 
     train_args = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
-    return launch(args.ps, args.workers, args.protocol, train_args, sync=args.sync, resume=args.resume)
+    return launch(args.ps, args.workers, args.protocol, train_args, sync=args.sync, resume=args.resume,
+                  collective=args.collective)
 
 
 def cmd_explain(args, console: Console) -> int:
@@ -240,8 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--json", help="write the result as JSON here")
     tr.set_defaults(func=cmd_train)
 
-    la = sub.add_parser("launch", help="run a parameter-server job on this machine")
-    la.add_argument("--ps", type=int, default=1)
+    la = sub.add_parser("launch", help="run a parameter-server job, or a collective one, on this machine")
+    la.add_argument("--ps", type=int, default=None, help="parameter servers (default 1; none with --collective)")
+    la.add_argument("--collective", action="store_true", help="no PS: the workers are torch.distributed ranks "
+                    "with sharded embeddings (as under torchrun)")
     la.add_argument("--workers", type=int, default=1)
     la.add_argument("--protocol", choices=("grpc", "star_server", "star_server_lite"), default="star_server")
     la.add_argument("--sync", action="store_true", help="average all workers' gradients per step")

@@ -158,3 +158,19 @@ def test_torchrun_trains_two_ranks_then_resumes_resharded_on_three(tmp_path, uni
         assert all(int(new[k][1]) > 8 for k in set(new) - set(old))
         untouched += len(same)
     assert untouched > 0
+
+
+def test_launch_collective_runs_ranks_without_a_ps(tmp_path):
+    env = dict(os.environ, DEEPREC_CACHE=str(tmp_path))
+    done = subprocess.run([sys.executable, "-m", "deeprec.cli", "launch", "--workers", "2", "--collective", "--",
+                           "train", "--embedding", "variable", "--synthetic", "4000", "--cardinalities", "small",
+                           "--steps", "6", "--batch-size", "128", "--eval-batch-size", "512"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    out = done.stdout
+    assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
+    assert "[ps0]" not in out and "2/2 workers succeeded" in out
+    rows = [line for line in out.splitlines() if "eval rows" in line]  # both ranks: the whole eval file
+    assert len(rows) == 2 and rows[0].split("│")[-2] == rows[1].split("│")[-2]
+    refused = subprocess.run([sys.executable, "-m", "deeprec.cli", "launch", "--collective", "--ps", "1", "--",
+                              "train"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--collective starts no parameter server" in refused.stderr

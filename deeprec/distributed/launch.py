@@ -1,6 +1,12 @@
-"""`deeprec launch`: a whole PS job on one machine (processes on loopback).
+"""`deeprec launch`: a whole PS job, or a collective job, on one machine (processes on loopback).
 
     deeprec launch --ps 2 --workers 2 --protocol star_server -- train --model dlrm --synthetic 100000 --steps 200
+    deeprec launch --workers 2 --collective -- train --embedding variable --synthetic 100000 --steps 200
+
+--collective starts no PS: the workers are torch.distributed ranks, as under
+`torchrun --nproc-per-node N -m deeprec train ...` (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE; OMP_NUM_THREADS = cores / workers unless set), and train
+with sharded embeddings (deeprec.distributed.collective).
 
 Starts the PS shards (each prints its port), then the workers with TF_CONFIG set
 as a Kubernetes TFJob would, and torch.distributed's MASTER_ADDR, MASTER_PORT, RANK and
@@ -38,17 +44,22 @@ def _stream(prefix: str, pipe, sink) -> None:
         sink.flush()
 
 
-def launch(num_ps: int, num_workers: int, protocol: str, train_args: list[str], sync: bool = False,
-           out=sys.stdout, resume: bool = False) -> int:
+def launch(num_ps: int | None, num_workers: int, protocol: str, train_args: list[str], sync: bool = False,
+           out=sys.stdout, resume: bool = False, collective: bool = False) -> int:
+    """num_ps None: 1, or none with `collective`."""
+    if collective and (num_ps or sync):
+        raise ConfigError("--collective starts no parameter server: drop --ps and --sync (collective training is "
+                          "synchronous)")
+    num_ps = 0 if collective else (1 if num_ps is None else num_ps)
     if protocol not in PROTOCOLS:
         raise ConfigError(f"protocol={protocol!r} is not allowed; choose one of {', '.join(PROTOCOLS)}")
     if sync and protocol == "grpc":
         raise ConfigError("--sync needs a fused protocol: star_server or star_server_lite")
     if not train_args or train_args[0] != "train":
         raise ConfigError("give the worker command after --, e.g. -- train --model dlrm --synthetic 100000")
-    if num_ps < 1 or num_workers < 1:
+    if (num_ps < 1 and not collective) or num_workers < 1:
         raise ConfigError("--ps and --workers must be >= 1")
-    if resume:  # the chief restores the PSs (any count) from --checkpoint-dir; the others wait for it
+    if resume:  # PS job: the chief restores the PSs (any count); collective: each rank reshards
         if "--checkpoint-dir" not in train_args:
             raise ConfigError("--resume needs the worker command's --checkpoint-dir")
         train_args = [*train_args, "--resume"]
@@ -69,6 +80,8 @@ def launch(num_ps: int, num_workers: int, protocol: str, train_args: list[str], 
         for sig in previous:
             signal.signal(sig, forward)
     try:
+        if collective:
+            return _run_collective(num_workers, train_args, out, env, children)
         return _run(num_ps, num_workers, protocol, train_args, out, env, children)
     finally:
         for proc in children:
@@ -101,11 +114,25 @@ def _run(num_ps: int, num_workers: int, protocol: str, train_args: list[str], ou
     workers = ["127.0.0.1:0"] * num_workers  # workers serve nothing: placeholder addresses
     cluster = {"ps": ps_addresses, "worker": workers}
     master_port = _free_port()  # torch.distributed's rendezvous (train --dense allreduce)
+    return _run_workers([dict(env, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}),
+                              DEEPREC_PROTOCOL=protocol, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port),
+                              RANK=str(i), WORLD_SIZE=str(num_workers)) for i in range(num_workers)],
+                        train_args, out, children)
+
+
+def _run_collective(num_workers: int, train_args: list[str], out, env: dict, children: list) -> int:
+    """torchrun's environment for each rank, on loopback."""
+    master_port = _free_port()
+    threads = env.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // num_workers))  # no oversubscription
+    return _run_workers([dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), RANK=str(i),
+                              WORLD_SIZE=str(num_workers), LOCAL_RANK=str(i), LOCAL_WORLD_SIZE=str(num_workers),
+                              OMP_NUM_THREADS=threads) for i in range(num_workers)], train_args, out, children)
+
+
+def _run_workers(envs: list[dict], train_args: list[str], out, children: list) -> int:
+    """One `deeprec train` per environment; output prefixed; the first failure's exit code."""
     procs = []
-    for i in range(num_workers):
-        worker_env = dict(env, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}),
-                          DEEPREC_PROTOCOL=protocol, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port),
-                          RANK=str(i), WORLD_SIZE=str(num_workers))
+    for i, worker_env in enumerate(envs):
         proc = subprocess.Popen([sys.executable, "-m", "deeprec.cli", *train_args], env=worker_env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         children.append(proc)
