@@ -138,6 +138,10 @@ class TrainConfig:
                                   "number of steps (each exchanges ids with the others)")
             if self.incremental_every:
                 raise ConfigError("incremental checkpoints of collective training are not implemented yet")
+            if self.optimize.async_embedding:
+                raise ConfigError("async_embedding is not supported with collective training (torchrun): the id "
+                                  "exchange is a collective every rank runs in the same order inside the step, not "
+                                  "ahead of it in SmartStage; drop --async-embedding (SmartStage and --micro-batch work)")
             if self.export_dir:
                 raise ConfigError("serving exports of collective training (torchrun) are not implemented yet: drop "
                                   "--export-dir and export a checkpoint with deeprec export")

@@ -22,6 +22,7 @@ from deeprec.errors import ConfigError
 from deeprec.nn.collection import EmbeddingCollection, FusedLookup
 from deeprec.nn.lookup import assemble
 from deeprec.nn.variable import EmbeddingVariable, shard_of
+from deeprec.optim import merge_rows
 from deeprec.distributed.reshard import rank_dir
 from deeprec.runtime.updater import LocalUpdater
 
@@ -61,6 +62,7 @@ class ShardedLookup(nn.Module):
 
     _deeprec_leaf = True
     _deeprec_stateful = True
+    _deeprec_row_sparse = True  # updates rows in backward, or kept over micro-batches (deferred_lookups)
 
     def __init__(self, fused: FusedLookup, group=None):
         super().__init__()
@@ -75,8 +77,11 @@ class ShardedLookup(nn.Module):
         for ev in self.variables:  # this rank keeps (and checkpoints) the keys it owns
             ev.shard_index, ev.num_shards = self.rank, self.world
         self._token = torch.zeros(0, requires_grad=True)
+        self.fused, self._pending = True, []  # micro-batching keeps the updates for step() (deferred_lookups)
 
     def forward(self, uniques, inverse, offsets, weights, counts, masks=()):
+        if self._pending and self.fused and self.training:
+            self.check_applied()
         sizes = [k.numel() for k in uniques]
         keys, seen = torch.cat(uniques).long(), torch.cat(counts).long()
         table = torch.repeat_interleave(torch.arange(len(uniques)), torch.tensor(sizes))
@@ -111,15 +116,44 @@ class ShardedLookup(nn.Module):
 
     def apply(self, plan: dict, grads: torch.Tensor) -> None:
         """Every rank's gradient of this rank's rows: summed per row, / world (the global batch's
-        mean), one optimizer step."""
+        mean); one optimizer step, or kept for `step()` over micro-batches (fused False)."""
         if self.optimizer is None:
             raise RuntimeError("a sharded EmbeddingCollection needs a row-sparse optimizer: "
                                "deeprec.optim.make_optimizer(model) before shard_embeddings")
+        updates = [(rows, torch.zeros(n, self.dim).index_add_(0, where, grads[sel]) / self.world, generation)
+                   for sel, where, n, rows, generation in plan["tables"]]
+        if self.fused:
+            self._update(updates)
+        else:
+            self._pending.append(updates)
+
+    def _update(self, updates: list) -> None:
         self.optimizer.begin_step()
-        for ev, (sel, where, n, rows, generation) in zip(self.variables, plan["tables"]):
-            g = torch.zeros(n, self.dim).index_add_(0, where, grads[sel]) / self.world
+        for ev, (rows, grad, generation) in zip(self.variables, updates):
             ev.global_step = self.optimizer.step_count
-            ev.apply_update(self.optimizer, rows, g, generation)
+            ev.apply_update(self.optimizer, rows, grad, generation)
+
+    # the OptimizerGroup's side of micro-batching, as FusedLookup's
+    def step(self) -> None:
+        """The gradients kept over a step's micro-batches: rows merged per table, one optimizer step."""
+        if not self._pending:
+            return
+        merged = []
+        for t, ev in enumerate(self.variables):
+            with ev._lock:  # rows renumbered to the EV's current generation, then merged
+                rows = torch.cat([ev.current_rows(kept[t][0], kept[t][2]) for kept in self._pending])
+                rows, grad = merge_rows(rows, torch.cat([kept[t][1] for kept in self._pending]))
+                merged.append((rows, grad, ev.generation))
+        self._pending.clear()
+        self._update(merged)
+
+    def zero_grad(self) -> None:
+        self._pending.clear()
+
+    def check_applied(self) -> None:
+        if self._pending:
+            raise RuntimeError("embedding gradients kept over the last step's micro-batches were never applied: "
+                               "step the optimizer of deeprec.optim.make_optimizer after each micro-batched step")
 
 
 def shard_embeddings(model: nn.Module, group=None) -> int:
@@ -197,6 +231,7 @@ class CollectiveUpdater(LocalUpdater):
         self.allreduce.broadcast_parameters()  # the replicas start equal
         if not shard_embeddings(model):
             raise ConfigError("collective training shards EmbeddingVariables: give --embedding variable")
+        self.optimizer.lookups = [m for m in model.modules() if isinstance(m, ShardedLookup)]
 
     def apply(self) -> None:
         self.allreduce.average_gradients()

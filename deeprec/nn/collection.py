@@ -61,6 +61,8 @@ class FusedLookup(nn.Module):
     `tables`: the features that own a table, in table order; `num_pooled`: how many of
     the looked-up features (pooled ones first) pool their bags."""
 
+    _deeprec_row_sparse = True  # updates rows in backward, or kept over micro-batches (deferred_lookups)
+
     _deeprec_leaf = True  # captured as one node (deeprec.graph.capture)
     _deeprec_stateful = True  # inserts keys and takes updates: never staged (deeprec.graph.smart_stage)
 

@@ -107,7 +107,7 @@ def combine_outputs(outputs: list[dict], sizes: list[int]) -> dict:
 
 
 def deferred_lookups(model: torch.nn.Module) -> list:
-    """The fused embedding lookups whose row-sparse update runs inside backward."""
-    from deeprec.nn.collection import FusedLookup
-
-    return [m for m in model.modules() if isinstance(m, FusedLookup) and m.optimizer is not None and m.fused]
+    """The fused embedding lookups whose row-sparse update runs inside backward (FusedLookup,
+    the collective ShardedLookup)."""
+    return [m for m in model.modules()
+            if getattr(m, "_deeprec_row_sparse", False) and m.optimizer is not None and m.fused]
