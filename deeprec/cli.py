@@ -117,6 +117,10 @@ def cmd_train(args, console: Console) -> int:
         st = result["stage"]
         table.add_row("smart stage", f"{st['taken']} batches staged ahead, {st['dropped']} dropped, "
                                      f"{st['ignored']} ignored")
+    if "communication" in result:
+        c = result["communication"]
+        table.add_row("all-to-all per step", f"{c['all_to_all_ms']:.2f} ms, {c['all_to_all_bytes'] / 1e3:,.0f} kB sent")
+        table.add_row("all-reduce per step", f"{c['all_reduce_ms']:.2f} ms, {c['all_reduce_bytes'] / 1e3:,.0f} kB sent")
     if "tiers" in result:
         table.add_row("tiered storage", describe_tiers(result["tiers"]).split(": ", 1)[1])
     if result["bad_rows"]:
@@ -132,7 +136,11 @@ def cmd_train(args, console: Console) -> int:
     if note:
         console.print(note)
     if args.json:
-        with open(args.json, "w") as f:
+        path = args.json
+        if cfg.num_shards > 1:  # several workers or ranks: one file each, out.json -> out.rank-1.json
+            stem, ext = os.path.splitext(path)
+            path = f"{stem}.rank-{cfg.shard_index}{ext}"
+        with open(path, "w") as f:
             json.dump(result, f, indent=2)
     return 0
 
@@ -149,8 +157,15 @@ def cmd_explain(args, console: Console) -> int:
     import deeprec as dr
     from deeprec.models import build_model
 
-    fast = dr.optimize(build_model(args.model), dr.Config(smart_stage=not args.no_smart_stage))
+    model = build_model(args.model, **({"embedding": args.embedding} if args.embedding else {}))
+    fast = dr.optimize(model, dr.Config(smart_stage=not args.no_smart_stage))
     print(fast.explain())
+    if args.ranks:
+        from deeprec.distributed.sharding import plan_model
+        from deeprec.optim import make_optimizer
+
+        make_optimizer(model, args.optimizer)  # its slots count in the tables' bytes
+        print("\n".join(plan_model(model, args.ranks)))
     return 0
 
 
@@ -238,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--synthetic", type=int, metavar="ROWS", help="train on ROWS synthetic rows (cached)")
     tr.add_argument("--cardinalities", "--synthetic-cardinalities", choices=("kaggle", "small"), default="kaggle",
                     help="synthetic Criteo-layout data: Kaggle's column cardinalities or small ones")
-    tr.add_argument("--json", help="write the result as JSON here")
+    tr.add_argument("--json", help="write the result as JSON here (worker or rank R of several: <name>.rank-R.json)")
     tr.set_defaults(func=cmd_train)
 
     la = sub.add_parser("launch", help="run a parameter-server job, or a collective one, on this machine")
@@ -255,6 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("explain", help="show how deeprec.optimize partitions a model")
     ex.add_argument("--model", choices=sorted(MODELS), default="dlrm")
     ex.add_argument("--no-smart-stage", action="store_true")
+    ex.add_argument("--ranks", type=int, default=0, help="also show the collective sharding plan over N ranks")
+    ex.add_argument("--embedding", choices=("table", "variable"), help="the model's embedding kind (default: its own)")
+    ex.add_argument("--optimizer", choices=("adagrad", "adam", "sgd"), default="adagrad",
+                    help="with --ranks: its slots count in the tables' bytes")
     ex.set_defaults(func=cmd_explain)
 
     ev = sub.add_parser("evaluate", help="AUC and log loss of a checkpoint on data")

@@ -131,8 +131,9 @@ class TrainConfig:
             raise ConfigError("parameter-server training keeps embeddings as EmbeddingVariables: "
                               f"embedding={self.embedding!r} is not supported there")
         if self.collective:
-            if self.embedding != "variable":
-                raise ConfigError("collective training (torchrun) shards EmbeddingVariables: give --embedding variable")
+            if self.embedding == "torch":
+                raise ConfigError("collective training (torchrun) shards EmbeddingCollections: --embedding torch "
+                                  "(nn.Embedding) is not sharded; give --embedding table or variable")
             if self.steps is None:
                 raise ConfigError("collective training (torchrun) needs --steps: every rank must take the same "
                                   "number of steps (each exchanges ids with the others)")
@@ -409,6 +410,8 @@ class Trainer:
                   "bad_rows": self.train_reader.stats.bad_rows, "skipped_nonfinite": self.skipped_nonfinite}
         if self.fast.prefetch_stats is not None:
             result["stage"] = asdict(self.fast.prefetch_stats)
+        if hasattr(self.updater, "traffic"):  # collective training: all-to-all and all-reduce per step
+            result["communication"] = self.updater.traffic()
         tiers = tier_summary(self.model)
         if tiers is not None:
             result["tiers"] = tiers

@@ -17,16 +17,23 @@ from deeprec.nn import shard_of
 from deeprec.optim import make_optimizer
 
 WORLD, BATCH, STEPS = 2, 16, 20
+FIXED_SIZES = {"a": 50, "b": 30, "c": 5}
 
 
 class Tiny(nn.Module):
-    def __init__(self):
+    """EmbeddingVariables, or fixed tables: a and b large enough to go row-wise, c table-wise."""
+
+    def __init__(self, fixed: bool = False):
         super().__init__()
         torch.manual_seed(0)
-        self.emb = dr.EmbeddingCollection([dr.nn.EmbeddingFeature("a"), dr.nn.EmbeddingFeature("b", combiner="mean")], 4)
-        self.top = nn.Linear(8, 1)
+        self.fixed = fixed
+        sizes = FIXED_SIZES if fixed else {"a": None, "b": None}
+        self.emb = dr.EmbeddingCollection([dr.nn.EmbeddingFeature(name, rows, combiner="mean" if name == "b" else "sum")
+                                           for name, rows in sizes.items()], 4)
+        self.top = nn.Linear(4 * len(sizes), 1)
 
     def forward(self, ids):
+        ids = {**ids, "c": ids["a"] % 5} if self.fixed else ids
         return self.top(self.emb(ids).reshape(len(ids["a"]), -1)).squeeze(1)
 
 
@@ -84,6 +91,55 @@ def _rank(rank, init_file, out_dir):
     torch.save({"dense": {k: v.detach() for k, v in model.named_parameters()}, "rows": rows(model),
                 "eval": metrics, "empty": empty}, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+def _rank_fixed(rank, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    model = Tiny(fixed=True)
+    optimizer = make_optimizer(model, "adagrad", 0.05)
+    assert shard_embeddings(model) == 1
+    train(nn.parallel.DistributedDataParallel(model), optimizer, global_batches(),
+          slice(rank * BATCH, (rank + 1) * BATCH))
+    plans = {p.name: (p.placement, p.owner) for p in model.emb.lookup.plans}
+    torch.save({"state": model.state_dict(), "plans": plans}, os.path.join(out_dir, f"fixed{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_fixed_tables_sharded_row_and_table_wise_equal_one_process(tmp_path):
+    from deeprec.distributed.reshard import merge_rank_states
+    from deeprec.distributed.sharding import FixedShard, plan_tables
+
+    mp.spawn(_rank_fixed, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+    reference = Tiny(fixed=True)
+    train(reference, make_optimizer(reference, "adagrad", 0.05), global_batches())
+    ranks = [torch.load(tmp_path / f"fixed{r}.pt") for r in range(WORLD)]
+    assert ranks[0]["plans"] == ranks[1]["plans"]
+    assert ranks[0]["plans"]["a"] == ("row-wise", None) and ranks[0]["plans"]["c"][0] == "table-wise"
+    lookup, offset = reference.emb.lookup, 0
+    for t, (name, size) in enumerate(FIXED_SIZES.items()):
+        keys = torch.cat([r["state"][f"emb.lookup.variables.{t}.keys"] for r in ranks])
+        assert sorted(keys.tolist()) == list(range(size))  # every row on exactly one rank
+        for field, full in (("values", lookup.weight), ("slot.accumulator", lookup.slot_accumulator)):
+            got = torch.cat([r["state"][f"emb.lookup.variables.{t}.{field}"] for r in ranks])[torch.argsort(keys)]
+            torch.testing.assert_close(got, full.detach()[offset:offset + size], atol=1e-6, rtol=1e-5)
+        offset += size
+    for name, value in reference.named_parameters():
+        if value.requires_grad:
+            torch.testing.assert_close(ranks[0]["state"][name], value.detach(), atol=1e-6, rtol=1e-5)
+
+    # 2 ranks' shards onto 3: each new shard takes exactly its rows of the old ones
+    merged = merge_rank_states([{"model": r["state"]} for r in ranks])["model"]
+    plans = plan_tables([(n, size, 4) for n, size in FIXED_SIZES.items()], 3, 4)
+    for t, (plan, size) in enumerate(zip(plans, FIXED_SIZES.values())):
+        shards = [FixedShard(torch.zeros(size, 4), {"accumulator": torch.zeros(size, 4)}, plan, r, 3) for r in range(3)]
+        prefix = f"emb.lookup.variables.{t}."
+        for r, shard in enumerate(shards):
+            shard.load_state_dict({k[len(prefix):]: v for k, v in merged.items() if k.startswith(prefix)})
+        table = torch.zeros(size, 4)
+        for shard in shards:
+            table[shard.state_dict()["keys"]] = shard.weight
+        old = merged[prefix + "values"][torch.argsort(merged[prefix + "keys"])]
+        assert torch.equal(table, old)
 
 
 def test_two_ranks_equal_one_process_on_the_global_batch(tmp_path):
@@ -187,7 +243,7 @@ def test_torchrun_trains_two_ranks_then_resumes_resharded_on_three(tmp_path, uni
 def test_launch_collective_runs_ranks_without_a_ps(tmp_path):
     env = dict(os.environ, DEEPREC_CACHE=str(tmp_path))
     done = subprocess.run([sys.executable, "-m", "deeprec.cli", "launch", "--workers", "2", "--collective", "--",
-                           "train", "--embedding", "variable", "--synthetic", "4000", "--cardinalities", "small",
+                           "train", "--synthetic", "4000", "--cardinalities", "small",  # fixed tables: sharded by the plan
                            "--steps", "6", "--batch-size", "128", "--eval-batch-size", "512"],
                           capture_output=True, text=True, timeout=300, env=env)
     out = done.stdout

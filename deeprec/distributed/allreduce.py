@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,21 @@ def rendezvous_from_env(rank: int, world_size: int, master: str | None = None) -
     return Rendezvous(host, int(port), rank, world_size)
 
 
+@dataclass
+class Traffic:
+    """A collective's cost on this rank: seconds inside it (waiting for the slowest rank
+    included), bytes sent to other ranks, calls."""
+
+    seconds: float = 0.0
+    bytes_sent: int = 0
+    calls: int = 0
+
+    def add(self, seconds: float, bytes_sent: int) -> None:
+        self.seconds += seconds
+        self.bytes_sent += bytes_sent
+        self.calls += 1
+
+
 class DenseAllReduce:
     """Averages `params`' gradients over the workers each step, in one flat buffer."""
 
@@ -81,6 +97,7 @@ class DenseAllReduce:
         self.world_size = rendezvous.world_size
         self._flat = torch.zeros(sum(p.numel() for p in params) + 1, device=device)  # + the "training" flag
         self.active = True
+        self.traffic = Traffic()  # bytes: a ring all-reduce's, 2 (N - 1) / N of the buffer per worker
 
     def broadcast_parameters(self) -> None:
         """Worker 0's parameter values to every worker (the replicas start equal)."""
@@ -118,8 +135,11 @@ class DenseAllReduce:
             dist.destroy_process_group()
 
     def _all_reduce(self, flat: torch.Tensor) -> None:
+        started = time.perf_counter()
         try:
             dist.all_reduce(flat)
+            self.traffic.add(time.perf_counter() - started,
+                             int(2 * (self.world_size - 1) / self.world_size * flat.numel() * flat.element_size()))
         except (RuntimeError, dist.DistBackendError) as err:
             raise AllReduceError(f"the all-reduce of the dense gradients failed: another worker is gone ({err}). "
                                  "With --dense allreduce every worker must run (restart the job with --resume); "

@@ -1,41 +1,49 @@
-"""Collective training's embedding half: EmbeddingVariable rows sharded over the ranks, by all-to-all.
+"""Collective training's embedding half: table rows sharded over the ranks, by all-to-all.
 
-    rank r, one step (world N; rows of key k live on rank shard_of(k, N) = k % 1000 % N):
+    rank r, one step (world N; EmbeddingVariable rows of key k live on rank k % 1000 % N, fixed
+    tables' rows row-wise or table-wise per deeprec.distributed.sharding's plan):
 
     forward   unique keys of each table ──all_to_all(ids)──> the owners look up their rows
               (one lookup per table, keys from every rank merged) ──all_to_all(values)──> rows [U, D]
     backward  rows' gradient ──all_to_all(grads)──> the owners sum every rank's gradient of a row,
               divide by N (the global batch's mean) and apply the row-sparse optimizer locally
 
-`shard_embeddings(model)` swaps each EmbeddingCollection's lookup of EmbeddingVariables for a
-ShardedLookup (as the PS worker swaps in a RemoteLookup), same inputs and outputs. The dense
+`shard_embeddings(model)` swaps each EmbeddingCollection's lookup for a ShardedLookup (as the PS worker swaps in a RemoteLookup), same inputs and outputs. The dense
 layers are data parallel (DDP, outside). The exchange runs on its own process group, so its
 collectives never interleave with DDP's all-reduces on the default group.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from deeprec.distributed.allreduce import Traffic
 from deeprec.errors import ConfigError
 from deeprec.nn.collection import EmbeddingCollection, FusedLookup
 from deeprec.nn.lookup import assemble
 from deeprec.nn.variable import EmbeddingVariable, shard_of
 from deeprec.optim import merge_rows
 from deeprec.distributed.reshard import rank_dir
+from deeprec.distributed.sharding import FixedShard, describe_plan, plan_tables
 from deeprec.runtime.updater import LocalUpdater
 
 
-def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], group) -> torch.Tensor:
-    """all_to_all_single along dim 0 with these split sizes."""
+def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], lookup) -> torch.Tensor:
+    """all_to_all_single along dim 0 with these split sizes, counted in lookup.traffic."""
     out = send.new_empty((sum(recv_counts), *send.shape[1:]))
-    dist.all_to_all_single(out, send.contiguous(), recv_counts, send_counts, group=group)
+    row_bytes = send[:1].numel() * send.element_size()
+    started = time.perf_counter()
+    dist.all_to_all_single(out, send.contiguous(), recv_counts, send_counts, group=lookup.group)
+    lookup.traffic.add(time.perf_counter() - started,
+                       row_bytes * (sum(send_counts) - send_counts[lookup.rank]))  # own rows never leave
     return out
 
 
 def _return_rows(values: torch.Tensor, lookup, plan: dict) -> torch.Tensor:
-    got = _exchange(values, plan["recv_counts"], plan["send_counts"], lookup.group)
+    got = _exchange(values, plan["recv_counts"], plan["send_counts"], lookup)
     out = torch.empty_like(got)
     out[plan["order"]] = got  # back to this rank's key order
     return out
@@ -52,7 +60,7 @@ class _ReturnRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         plan, lookup = ctx.plan, ctx.lookup
-        grads = _exchange(grad[plan["order"]], plan["send_counts"], plan["recv_counts"], lookup.group)
+        grads = _exchange(grad[plan["order"]], plan["send_counts"], plan["recv_counts"], lookup)
         lookup.apply(plan, grads)
         return None, None, None, None
 
@@ -66,17 +74,29 @@ class ShardedLookup(nn.Module):
 
     def __init__(self, fused: FusedLookup, group=None):
         super().__init__()
-        if not all(fused.dynamic):
-            raise ConfigError("collective training shards EmbeddingVariables (embedding='variable'); fixed "
-                              "tables are not sharded yet")
+        if fused.optimizer is None:
+            raise ConfigError("a sharded EmbeddingCollection needs its row-sparse optimizer: "
+                              "deeprec.optim.make_optimizer(model) before shard_embeddings")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.group = group if group is not None else dist.new_group(backend=dist.get_backend())
         self.num_pooled, self.max_norm, self.dim = fused.num_pooled, fused.max_norm, fused.dim
         self.optimizer = fused.optimizer
-        self.variables = fused.variables
-        for ev in self.variables:  # this rank keeps (and checkpoints) the keys it owns
-            ev.shard_index, ev.num_shards = self.rank, self.world
+        self.table_sizes = [f.num_embeddings for f in fused.features]  # None: an EmbeddingVariable
+        specs = self.optimizer.slot_specs()
+        self.plans = plan_tables([(f.name, f.num_embeddings, self.dim) for f in fused.features], self.world,
+                                 sum(self.dim if per_element else 1 for _, per_element in specs.values()))
+        if all(fused.dynamic):
+            self.variables = fused.variables
+            for ev in self.variables:  # this rank keeps (and checkpoints) the keys it owns
+                ev.shard_index, ev.num_shards = self.rank, self.world
+        else:  # fixed tables: this rank's rows of each, per the plan
+            slots = fused._slots()
+            bounds = torch.tensor([0] + self.table_sizes).cumsum(0).tolist()
+            self.variables = nn.ModuleList(
+                FixedShard(fused.weight.data[a:b], {n: s[a:b] for n, s in slots.items()}, plan, self.rank, self.world)
+                for a, b, plan in zip(bounds[:-1], bounds[1:], self.plans))
         self._token = torch.zeros(0, requires_grad=True)
+        self.traffic = Traffic()  # the all-to-alls of ids, rows and gradients
         self.fused, self._pending = True, []  # micro-batching keeps the updates for step() (deferred_lookups)
 
     def forward(self, uniques, inverse, offsets, weights, counts, masks=()):
@@ -85,13 +105,12 @@ class ShardedLookup(nn.Module):
         sizes = [k.numel() for k in uniques]
         keys, seen = torch.cat(uniques).long(), torch.cat(counts).long()
         table = torch.repeat_interleave(torch.arange(len(uniques)), torch.tensor(sizes))
-        owner = shard_of(keys, self.world)
+        owner = self._owners(uniques, keys)
         order = torch.argsort(owner, stable=True)
         send_counts = torch.bincount(owner, minlength=self.world)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        recv_counts = _exchange(send_counts, [1] * self.world, [1] * self.world, self)
         send_counts, recv_counts = send_counts.tolist(), recv_counts.tolist()
-        asked = _exchange(torch.stack([keys, table, seen], 1)[order], send_counts, recv_counts, self.group)
+        asked = _exchange(torch.stack([keys, table, seen], 1)[order], send_counts, recv_counts, self)
         plan = {"order": order, "send_counts": send_counts, "recv_counts": recv_counts, "tables": []}
         values = torch.empty(asked.shape[0], self.dim)
         for t, ev in enumerate(self.variables):  # every rank's keys of a table: merged, one lookup
@@ -106,6 +125,17 @@ class ShardedLookup(nn.Module):
         else:
             rows_values = _return_rows(values, self, plan)
         return assemble(rows_values, inverse, offsets, weights, masks, self.num_pooled, self.max_norm)
+
+    def _owners(self, uniques: list[torch.Tensor], keys: torch.Tensor) -> torch.Tensor:
+        if self.table_sizes[0] is None:
+            return shard_of(keys, self.world)
+        for f, (ids, size) in enumerate(zip(uniques, self.table_sizes)):  # asked here: the owner could not say
+            if ids.numel() and int(ids.max()) >= size:
+                raise IndexError(f"feature {self.plans[f].name!r}: id {int(ids.max())} is out of range [0, {size})")
+        return torch.cat([shard.owner_of(ids.long()) for shard, ids in zip(self.variables, uniques)])
+
+    def explain(self) -> list[str]:
+        return describe_plan(self.plans, self.world)
 
     def get_extra_state(self):  # the row-sparse optimizer's step count (Adam's bias correction, row versions)
         return {"optimizer": self.optimizer.state_dict() if self.optimizer else None}
@@ -157,14 +187,14 @@ class ShardedLookup(nn.Module):
 
 
 def shard_embeddings(model: nn.Module, group=None) -> int:
-    """Swap every EmbeddingCollection's lookup of EmbeddingVariables for this rank's ShardedLookup
-    (torch.distributed initialized; the optimizer attached before). Returns how many."""
+    """Swap every EmbeddingCollection's lookup for this rank's ShardedLookup (torch.distributed
+    initialized; the optimizer attached before). Returns how many."""
     if not dist.is_initialized():
         raise ConfigError("shard_embeddings needs torch.distributed: torch.distributed.init_process_group "
                           "(torchrun sets MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)")
     swapped = 0
     for collection in [m for m in model.modules() if isinstance(m, EmbeddingCollection)]:
-        if isinstance(collection.lookup, FusedLookup) and all(collection.lookup.dynamic):
+        if isinstance(collection.lookup, FusedLookup):
             collection.lookup = ShardedLookup(collection.lookup, group)
             swapped += 1
     return swapped
@@ -230,7 +260,8 @@ class CollectiveUpdater(LocalUpdater):
         self.allreduce = DenseAllReduce(dense, rendezvous_from_env(rank, world_size))
         self.allreduce.broadcast_parameters()  # the replicas start equal
         if not shard_embeddings(model):
-            raise ConfigError("collective training shards EmbeddingVariables: give --embedding variable")
+            raise ConfigError("collective training shards the model's EmbeddingCollections: this model has none "
+                              "(--embedding torch keeps nn.Embedding tables: give --embedding variable or fused)")
         self.optimizer.lookups = [m for m in model.modules() if isinstance(m, ShardedLookup)]
 
     def apply(self) -> None:
@@ -240,6 +271,19 @@ class CollectiveUpdater(LocalUpdater):
     def discard(self) -> None:
         raise ConfigError("--on-nan skip is not supported with collective training (the other ranks' step "
                           "has already updated their embedding shards): use --on-nan raise")
+
+    def traffic(self) -> dict:
+        """Communication per step so far: all-to-all (ids, rows, gradients) and the dense all-reduce."""
+        lookups = [m.traffic for m in self.model.modules() if isinstance(m, ShardedLookup)]
+        steps = max(1, self.step)
+        reduce = self.allreduce
+        return {"steps": self.step, "ranks": self.world_size,
+                "all_to_all_ms": 1e3 * sum(t.seconds for t in lookups) / steps,
+                "all_to_all_bytes": sum(t.bytes_sent for t in lookups) / steps,
+                "all_to_all_calls": sum(t.calls for t in lookups) / steps,
+                "all_reduce_ms": 1e3 * reduce.traffic.seconds / steps,
+                "all_reduce_bytes": reduce.traffic.bytes_sent / steps,
+                "dense_parameters": sum(p.numel() for p in reduce.params)}
 
     def checkpoint_dir(self, base: str) -> str:
         return rank_dir(base, self.rank, self.world_size)  # this rank's shards (deeprec.distributed.reshard)

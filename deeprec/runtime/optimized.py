@@ -345,6 +345,9 @@ def explain(fast: OptimizedModel) -> str:
 
 def _explain_step(fast: OptimizedModel) -> list[str]:
     cfg, step, lines = fast.config, fast.main_step, []
+    for module in fast.model.modules():  # collective training's ShardedLookups: their sharding plans
+        if getattr(module, "_deeprec_row_sparse", False) and hasattr(module, "explain"):
+            lines += module.explain()
     tiers = tier_summary(fast.model)
     if tiers is not None:
         lines.append(describe_tiers(tiers))
