@@ -117,6 +117,9 @@ def cmd_train(args, console: Console) -> int:
         st = result["stage"]
         table.add_row("smart stage", f"{st['taken']} batches staged ahead, {st['dropped']} dropped, "
                                      f"{st['ignored']} ignored")
+    if "device" in result:
+        host = result["tables_on_host"]
+        table.add_row("device", result["device"] + (f" (tables on the host: {', '.join(host)})" if host else ""))
     if "communication" in result:
         c = result["communication"]
         table.add_row("all-to-all per step", f"{c['all_to_all_ms']:.2f} ms, {c['all_to_all_bytes'] / 1e3:,.0f} kB sent")

@@ -59,19 +59,21 @@ class Evaluation:
         self.metrics = [StreamingMetrics() for _ in self.names]
 
     def update(self, batch: dict, logits: torch.Tensor) -> None:
-        logits = (logits if logits.dim() == 2 else logits.unsqueeze(1)).float().numpy()
+        logits = (logits if logits.dim() == 2 else logits.unsqueeze(1)).detach().float().cpu().numpy()
         for k, name in enumerate(self.names):
-            self.metrics[k].update(batch[name].numpy(), logits[:, k])
+            self.metrics[k].update(batch[name].cpu().numpy(), logits[:, k])
 
-    def all_reduce(self, group=None) -> None:
-        """Every rank's histograms and sums added up (torch.distributed), so each holds the whole."""
+    def all_reduce(self, group=None, device: torch.device | None = None) -> None:
+        """Every rank's histograms and sums added up (torch.distributed; `device`: the group's, a GPU
+        under NCCL), so each holds the whole."""
         import torch.distributed as dist
 
         for m in self.metrics:
-            counts = torch.from_numpy(np.stack([m.pos, m.neg]))
-            sums = torch.tensor([m.loss_sum, float(m.rows)], dtype=torch.float64)
+            counts = torch.from_numpy(np.stack([m.pos, m.neg])).to(device)
+            sums = torch.tensor([m.loss_sum, float(m.rows)], dtype=torch.float64, device=device)
             dist.all_reduce(counts, group=group)
             dist.all_reduce(sums, group=group)
+            counts, sums = counts.cpu(), sums.cpu()
             m.pos, m.neg = counts[0].numpy(), counts[1].numpy()
             m.loss_sum, m.rows = float(sums[0]), int(sums[1])
 

@@ -8,6 +8,7 @@ with progress, periodic atomic checkpoints, exact resume and evaluation.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import math
@@ -35,6 +36,7 @@ from deeprec.models import MODELS, build_model
 from deeprec.nn import EmbeddingVariable, StorageOption, incremental_state_dict
 from deeprec.nn.tiered import tier_summary, use_storage
 from deeprec.runtime import optimize
+from deeprec.runtime.device import DEVICES, DeviceBatches, place_model, resolve_device
 from deeprec.runtime.updater import make_updater
 from deeprec.runtime.memory import tune_malloc
 
@@ -77,6 +79,8 @@ class TrainConfig:
     export_incremental_every: int = option(0, "steps between serving deltas: EmbeddingVariable rows updated since "
                                            "the last export, and the dense weights")
     threads: int | None = option(None, "torch intra-op threads")
+    device: str = option("cpu", "where the model trains: cpu, cuda (fixed tables too while they fit in its memory; "
+                         "EmbeddingVariables stay on the host) or auto (cuda if present)", choices=DEVICES)
     model_overrides: dict = option(factory=dict, cli=False)  # TOML table: the model's config fields
     schema: str | None = option(None, "the data's columns: a preset (criteo, avazu, movielens, byterec, behavior) "
                                 "or a TOML schema file (default: the preset the data matches)")
@@ -146,6 +150,9 @@ class TrainConfig:
             if self.export_dir:
                 raise ConfigError("serving exports of collective training (torchrun) are not implemented yet: drop "
                                   "--export-dir and export a checkpoint with deeprec export")
+        if self.device != "cpu" and self.ps_addresses:
+            raise ConfigError("parameter-server training runs on the CPU here: --device cuda/auto is for local and "
+                              "collective (torchrun) training")
         if self.storage == "ssd":
             if self.embedding != "variable" or self.ps_addresses:
                 raise ConfigError("storage='ssd' tiers EmbeddingVariables of local training: give "
@@ -222,11 +229,17 @@ class Trainer:
             variables = sum(isinstance(m, EmbeddingVariable) for m in self.model.modules())
             use_storage(self.model, StorageOption(tiers=["dram", "ssd"], dram_bytes=max(1, cfg.dram_bytes // max(1, variables)),
                                                   path=cfg.storage_path, cache=cfg.cache, prefetch=cfg.storage_prefetch))
+        self.device = resolve_device(cfg.device)
         self.updater = make_updater(self.model, cfg.optimizer, cfg.lr, cfg.ps_addresses, cfg.protocol,
                                     sync_workers=cfg.num_shards if cfg.sync else 1, worker_index=cfg.shard_index,
                                     num_workers=cfg.num_shards, dense=cfg.dense, master=cfg.master,
-                                    collective=cfg.collective)
-        self.fast = optimize(self.model, cfg.optimize)
+                                    collective=cfg.collective, device=self.device)
+        # after the optimizer: its row-sparse slots move with the tables
+        self.host_tables = self.updater.host_tables if cfg.collective else place_model(self.model, self.device)
+        optimize_config = cfg.optimize
+        if self.device.type == "cuda":  # the stage runs on CPU into pinned memory, one copy on a side stream
+            optimize_config = dataclasses.replace(optimize_config, stage_subgraph_on_cpu=True)
+        self.fast = optimize(self.model, optimize_config)
         batch_norm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in self.model.modules())
         self.train_reader, self.eval_reader = make_readers(cfg, self.schema, drop_remainder=batch_norm)
         self._reader_state = self.train_reader.state_dict()  # position of the last batch trained on
@@ -335,8 +348,14 @@ class Trainer:
         if self.cfg.collective:
             from deeprec.distributed.collective import evaluate_sharded
 
-            return evaluate_sharded(self.model, self.eval_reader)
-        return evaluate(self.model, self.eval_reader)
+            return evaluate_sharded(self.model, self._on_device(self.eval_reader, staged=False))
+        return evaluate(self.model, self._on_device(self.eval_reader, staged=False))
+
+    def _on_device(self, reader, staged: bool | None = None):
+        """The reader's batches on the training device: SmartStage's stage copies what it cuts
+        (pinned, side stream); a batch that skips the stage is pinned and copied whole."""
+        staged = self.fast.staged if staged is None else staged
+        return reader if self.device.type == "cpu" or staged else DeviceBatches(reader, self.device)
 
     def _evaluate_now(self, progress) -> None:
         """--eval-every: evaluate during training and keep the result."""
@@ -368,7 +387,7 @@ class Trainer:
                             TimeElapsedColumn(), console=self.console,
                             disable=not (cfg.progress and self.console.is_terminal))
         started = time.perf_counter()
-        steps = self.fast.train_steps(self.train_reader, self.updater)
+        steps = self.fast.train_steps(self._on_device(self.train_reader), self.updater)
         with progress, contextlib.closing(steps):
             task = progress.add_task("train", total=total, completed=self.step, loss=float("nan"), rate=0.0)
             while total is None or self.step < total:
@@ -410,6 +429,9 @@ class Trainer:
                   "bad_rows": self.train_reader.stats.bad_rows, "skipped_nonfinite": self.skipped_nonfinite}
         if self.fast.prefetch_stats is not None:
             result["stage"] = asdict(self.fast.prefetch_stats)
+        if self.device.type != "cpu":
+            result["device"] = str(self.device)
+            result["tables_on_host"] = self.host_tables
         if hasattr(self.updater, "traffic"):  # collective training: all-to-all and all-reduce per step
             result["communication"] = self.updater.traffic()
         tiers = tier_summary(self.model)

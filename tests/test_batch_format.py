@@ -65,6 +65,7 @@ def test_batches_move_and_cross_the_process_wire(sample):
     assert back["seq"].tolist() == [[b"a"], [b"b", b"c"]]
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_ragged_pins_and_moves_to_cuda(sample):
     c1 = next(iter(CriteoReader(sample, 8)))["C1"]

@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -254,3 +255,16 @@ def test_launch_collective_runs_ranks_without_a_ps(tmp_path):
     refused = subprocess.run([sys.executable, "-m", "deeprec.cli", "launch", "--collective", "--ps", "1", "--",
                               "train"], capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "--collective starts no parameter server" in refused.stderr
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL: one GPU per rank)")
+def test_torchrun_on_two_gpus_with_nccl(tmp_path, unique_tsv):
+    ckpt = tmp_path / "ckpt"
+    done = torchrun(2, "--data", unique_tsv, "--steps", "8", "--checkpoint-dir", str(ckpt), "--device", "cuda",
+                    "--embedding", "table", "--eval-data", unique_tsv)
+    assert "cuda:0" in done.stdout and "cuda:1" in done.stdout
+    states = rank_states(ckpt, 2, 8)
+    dense = [k for k, v in states[0].items() if isinstance(v, torch.Tensor) and "variables" not in k
+             and v.is_floating_point()]
+    assert dense and all(torch.equal(states[0][k], states[1][k]) for k in dense)

@@ -214,6 +214,7 @@ def test_stage_subgraph_on_cpu_is_a_noop_on_cpu_models(sample):
     assert losses == [model(b)["loss"].item() for b in CriteoReader(sample, 64)]
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_packed_copy_on_side_stream_matches_plain_copy(sample):
     torch.manual_seed(0)

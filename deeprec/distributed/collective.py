@@ -66,7 +66,7 @@ class _ReturnRows(torch.autograd.Function):
 
 
 class ShardedLookup(nn.Module):
-    """Stands in for a FusedLookup of EmbeddingVariables: this rank's shard of every table."""
+    """Stands in for a FusedLookup: this rank's shard of every table (EmbeddingVariables or fixed)."""
 
     _deeprec_leaf = True
     _deeprec_stateful = True
@@ -78,10 +78,11 @@ class ShardedLookup(nn.Module):
             raise ConfigError("a sharded EmbeddingCollection needs its row-sparse optimizer: "
                               "deeprec.optim.make_optimizer(model) before shard_embeddings")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.group = group if group is not None else dist.new_group(backend=dist.get_backend())
+        self._group = group  # made at the first exchange, for the tables' device (deeprec.runtime.device)
         self.num_pooled, self.max_norm, self.dim = fused.num_pooled, fused.max_norm, fused.dim
         self.optimizer = fused.optimizer
         self.table_sizes = [f.num_embeddings for f in fused.features]  # None: an EmbeddingVariable
+        self.dynamic = list(fused.dynamic)
         specs = self.optimizer.slot_specs()
         self.plans = plan_tables([(f.name, f.num_embeddings, self.dim) for f in fused.features], self.world,
                                  sum(self.dim if per_element else 1 for _, per_element in specs.values()))
@@ -102,9 +103,11 @@ class ShardedLookup(nn.Module):
     def forward(self, uniques, inverse, offsets, weights, counts, masks=()):
         if self._pending and self.fused and self.training:
             self.check_applied()
+        home = self.table_device
+        uniques, counts = [u.to(home) for u in uniques], [c.to(home) for c in counts]  # no-ops on one device
         sizes = [k.numel() for k in uniques]
         keys, seen = torch.cat(uniques).long(), torch.cat(counts).long()
-        table = torch.repeat_interleave(torch.arange(len(uniques)), torch.tensor(sizes))
+        table = torch.repeat_interleave(torch.arange(len(uniques), device=home), torch.tensor(sizes, device=home))
         owner = self._owners(uniques, keys)
         order = torch.argsort(owner, stable=True)
         send_counts = torch.bincount(owner, minlength=self.world)
@@ -112,11 +115,11 @@ class ShardedLookup(nn.Module):
         send_counts, recv_counts = send_counts.tolist(), recv_counts.tolist()
         asked = _exchange(torch.stack([keys, table, seen], 1)[order], send_counts, recv_counts, self)
         plan = {"order": order, "send_counts": send_counts, "recv_counts": recv_counts, "tables": []}
-        values = torch.empty(asked.shape[0], self.dim)
+        values = torch.empty(asked.shape[0], self.dim, device=home)
         for t, ev in enumerate(self.variables):  # every rank's keys of a table: merged, one lookup
             sel = torch.nonzero(asked[:, 1] == t).squeeze(1)
             mine, where = torch.unique(asked[sel, 0], return_inverse=True)
-            merged = torch.zeros(mine.numel(), dtype=torch.long).index_add_(0, where, asked[sel, 2])
+            merged = torch.zeros(mine.numel(), dtype=torch.long, device=home).index_add_(0, where, asked[sel, 2])
             rows, found, generation = ev.lookup(mine, merged, train=self.training)
             values[sel] = found[where]
             plan["tables"].append((sel, where, mine.numel(), rows, generation))
@@ -124,7 +127,24 @@ class ShardedLookup(nn.Module):
             rows_values = _ReturnRows.apply(self._token, values, self, plan)
         else:
             rows_values = _return_rows(values, self, plan)
+        rows_values = rows_values.to(inverse.device)  # differentiable: gradients return to the tables' device
         return assemble(rows_values, inverse, offsets, weights, masks, self.num_pooled, self.max_norm)
+
+    def table_nbytes(self) -> int:
+        """This rank's fixed-table rows and slots (EmbeddingVariables grow: not counted)."""
+        return 0 if all(self.dynamic) else sum(shard.nbytes() for shard in self.variables)
+
+    @property
+    def table_device(self) -> torch.device:
+        return torch.device("cpu") if all(self.dynamic) else self.variables[0].weight.device
+
+    @property
+    def group(self):
+        """The exchange's own process group: NCCL for tables on a GPU, gloo for tables on the host
+        (also beside an NCCL default group: the dense all-reduce on the GPU)."""
+        if self._group is None:
+            self._group = dist.new_group(backend="nccl" if self.table_device.type == "cuda" else "gloo")
+        return self._group
 
     def _owners(self, uniques: list[torch.Tensor], keys: torch.Tensor) -> torch.Tensor:
         if self.table_sizes[0] is None:
@@ -150,7 +170,8 @@ class ShardedLookup(nn.Module):
         if self.optimizer is None:
             raise RuntimeError("a sharded EmbeddingCollection needs a row-sparse optimizer: "
                                "deeprec.optim.make_optimizer(model) before shard_embeddings")
-        updates = [(rows, torch.zeros(n, self.dim).index_add_(0, where, grads[sel]) / self.world, generation)
+        updates = [(rows, torch.zeros(n, self.dim, device=grads.device).index_add_(0, where, grads[sel]) / self.world,
+                    generation)
                    for sel, where, n, rows, generation in plan["tables"]]
         if self.fused:
             self._update(updates)
@@ -221,8 +242,13 @@ def evaluate_sharded(model: nn.Module, reader) -> dict:
             last = batch
     finally:
         model.train(was_training)
-    evaluation.all_reduce()
+    evaluation.all_reduce(device=_default_group_device())
     return evaluation.result()
+
+
+def _default_group_device() -> torch.device:
+    """Where tensors for the default group's collectives live: the GPU under NCCL."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def _lockstep(reader):
@@ -231,7 +257,8 @@ def _lockstep(reader):
     started = False
     while True:
         batch = next(batches, None)
-        state = torch.tensor([batch is not None, batch is None and not started], dtype=torch.int64)
+        state = torch.tensor([batch is not None, batch is None and not started], dtype=torch.int64,
+                             device=_default_group_device())
         dist.all_reduce(state)
         if int(state[1]):  # every rank learns it, so none waits in a lookup for it
             raise ConfigError(f"{int(state[1])} rank(s) got no evaluation rows: their share of the evaluation data "
@@ -250,19 +277,23 @@ class CollectiveUpdater(LocalUpdater):
     embeddings sharded by all-to-all (updated inside the backward), dense gradients averaged by
     one flat all-reduce per step (deeprec.distributed.allreduce), then the local optimizer."""
 
-    def __init__(self, model: nn.Module, optimizer: str, lr: float, rank: int, world_size: int):
+    def __init__(self, model: nn.Module, optimizer: str, lr: float, rank: int, world_size: int,
+                 device: torch.device = torch.device("cpu")):
         from deeprec.distributed.allreduce import DenseAllReduce, rendezvous_from_env
         from deeprec.optim import make_optimizer
+        from deeprec.runtime.device import move_dense, place_tables
 
         super().__init__(model, make_optimizer(model, optimizer, lr))  # row-sparse ones travel with the lookups
         self.rank, self.world_size = rank, world_size
+        move_dense(model, device)  # the all-reduce runs where the dense layers are: NCCL on a GPU
         dense = [p for p in model.parameters() if p.requires_grad]
         self.allreduce = DenseAllReduce(dense, rendezvous_from_env(rank, world_size))
         self.allreduce.broadcast_parameters()  # the replicas start equal
-        if not shard_embeddings(model):
+        if not shard_embeddings(model):  # on the host: a rank moves only its shard to the GPU
             raise ConfigError("collective training shards the model's EmbeddingCollections: this model has none "
                               "(--embedding torch keeps nn.Embedding tables: give --embedding variable or fused)")
         self.optimizer.lookups = [m for m in model.modules() if isinstance(m, ShardedLookup)]
+        self.host_tables = place_tables(model, device)
 
     def apply(self) -> None:
         self.allreduce.average_gradients()

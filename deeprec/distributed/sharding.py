@@ -93,7 +93,8 @@ class FixedShard(nn.Module):
     def __init__(self, table: torch.Tensor, slots: dict[str, torch.Tensor], plan: TablePlan, rank: int, world: int):
         super().__init__()
         self.plan, self.rank, self.world, self.num_rows = plan, rank, world, table.shape[0]
-        ids = self._owned_ids()
+        ids = self._owned_ids().to(table.device)
+        # plain tensors, not buffers: DDP would broadcast rank 0's buffers over every rank's shard
         self.weight = table[ids].clone()
         self.slots = {name: s[ids].clone() for name, s in slots.items()}
         self.global_step = 0  # what ShardedLookup sets before an update (rows here have no version)
@@ -102,10 +103,18 @@ class FixedShard(nn.Module):
 
         self._lock = threading.RLock()
 
+    def _apply(self, fn, recurse=True):  # .to(device) moves the shard
+        self.weight = fn(self.weight)
+        self.slots = {name: fn(s) for name, s in self.slots.items()}
+        return super()._apply(fn, recurse)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in [self.weight, *self.slots.values()])
+
     def _owned_ids(self) -> torch.Tensor:
         if self.plan.placement == "table-wise":
             return torch.arange(self.num_rows) if self.rank == self.plan.owner else torch.zeros(0, dtype=torch.long)
-        return torch.arange(self.rank, self.num_rows, self.world)
+        return torch.arange(self.rank, self.num_rows, self.world)  # then on the table's device
 
     def owner_of(self, ids: torch.Tensor) -> torch.Tensor:
         if self.plan.placement == "table-wise":
@@ -126,7 +135,7 @@ class FixedShard(nn.Module):
         optimizer.update(self.weight, self.slots, rows, grad)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        destination[prefix + "keys"] = self._owned_ids()
+        destination[prefix + "keys"] = self._owned_ids().to(self.weight.device)
         destination[prefix + "values"] = self.weight.clone()
         for name, slot in self.slots.items():
             destination[prefix + f"slot.{name}"] = slot.clone()
@@ -136,12 +145,12 @@ class FixedShard(nn.Module):
         if prefix + "keys" not in state_dict:
             missing_keys.append(prefix + "keys")
             return
-        keys = state_dict[prefix + "keys"].long()
+        keys = state_dict[prefix + "keys"].long().to(self.weight.device)
         mine = self.owner_of(keys) == self.rank  # a checkpoint of any world size: keep the rows owned now
         rows = self._local(keys[mine])
-        self.weight[rows] = state_dict[prefix + "values"][mine]
+        self.weight[rows] = state_dict[prefix + "values"].to(self.weight.device)[mine]
         for name, slot in self.slots.items():
-            slot[rows] = state_dict[prefix + f"slot.{name}"][mine]
+            slot[rows] = state_dict[prefix + f"slot.{name}"].to(slot.device)[mine]
 
     def extra_repr(self) -> str:
         return f"{self.plan.describe()}, {self.weight.shape[0]} rows here"

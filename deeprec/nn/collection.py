@@ -175,6 +175,9 @@ class FusedLookup(nn.Module):
         """Unique keys per table -> pooled [B, P, D] (and the sequence features' [B, L, D])."""
         if self._pending and self.fused and self.training:
             self.check_applied()
+        home = self.table_device
+        if uniques and uniques[0].device != home:  # tables on the host, the step on a GPU (deeprec.runtime.device)
+            uniques, counts = [u.to(home) for u in uniques], [c.to(home) for c in counts]
         if all(self.dynamic):
             gathered, began = [], []  # the first table's gradient of this backward begins the optimizer step
 
@@ -192,11 +195,11 @@ class FusedLookup(nn.Module):
             rows_values = torch.cat(gathered)
         else:
             keys = torch.cat(uniques)
-            counts = torch.tensor([k.numel() for k in uniques])
+            counts = torch.tensor([k.numel() for k in uniques], device=keys.device)
             limits = torch.repeat_interleave(self.table_sizes, counts)
             # one vectorized range check for all tables (an exported program has no data-dependent raise)
             if not torch.compiler.is_exporting() and bool((keys >= limits).any()):
-                f = int(torch.repeat_interleave(torch.arange(len(uniques)), counts)[keys >= limits][0])
+                f = int(torch.repeat_interleave(torch.arange(len(uniques), device=keys.device), counts)[keys >= limits][0])
                 raise IndexError(f"feature {self.features[f].name!r}: id {int(uniques[f].max())} is out of "
                                  f"range [0, {self.features[f].num_embeddings})")
             rows = keys + torch.repeat_interleave(self.table_offsets, counts)
@@ -205,7 +208,13 @@ class FusedLookup(nn.Module):
                                               lambda r, g: self._receive(0, r, g))
             else:  # no gradient to route: a plain gather (what an exported program holds)
                 rows_values = self.weight.index_select(0, rows)
+        rows_values = rows_values.to(inverse.device)  # differentiable: gradients return to the tables' device
         return assemble(rows_values, inverse, offsets, weights, masks, self.num_pooled, self.max_norm)
+
+    @property
+    def table_device(self) -> torch.device:
+        """Where the rows live: EmbeddingVariables on the host, fixed tables where `.to()` put them."""
+        return torch.device("cpu") if all(self.dynamic) else self.weight.device
 
     def get_extra_state(self):
         return {"optimizer": self.optimizer.state_dict() if self.optimizer else None}

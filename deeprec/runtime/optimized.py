@@ -36,9 +36,12 @@ from deeprec.runtime.transfer import PackedCopier, make_ready
 
 
 def _device_of(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
+    """The step's device: the trained parameters' (a fixed table kept on the host takes no gradient)."""
+    params = list(model.parameters())
+    for p in params:
+        if p.requires_grad:
+            return p.device
+    return params[0].device if params else torch.device("cpu")
 
 
 class OptimizedModel(nn.Module):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
 from torch import nn
 
 
@@ -81,14 +82,15 @@ class LocalUpdater:
 
 def make_updater(model: nn.Module, optimizer: str, lr: float, ps_addresses=(), protocol: str = "star_server",
                  sync_workers: int = 1, worker_index: int = 0, num_workers: int = 1, dense: str = "allreduce",
-                 master: str | None = None, collective: bool = False) -> Updater:
+                 master: str | None = None, collective: bool = False, device=None) -> Updater:
     """Local training, a parameter-server worker when `ps_addresses` are given, or a rank of
     collective training (the model's embedding lookups are then swapped for remote or sharded
-    ones: call before `optimize`)."""
+    ones: call before `optimize`). `device`: collective training places the model itself (dense
+    layers before the all-reduce starts, then this rank's shards); the others leave it to the caller."""
     if collective:
         from deeprec.distributed.collective import CollectiveUpdater
 
-        return CollectiveUpdater(model, optimizer, lr, worker_index, num_workers)
+        return CollectiveUpdater(model, optimizer, lr, worker_index, num_workers, device or torch.device("cpu"))
     if not ps_addresses:
         from deeprec.optim import make_optimizer
 
