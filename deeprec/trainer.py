@@ -143,6 +143,9 @@ class TrainConfig:
                                   "number of steps (each exchanges ids with the others)")
             if self.incremental_every:
                 raise ConfigError("incremental checkpoints of collective training are not implemented yet")
+            if self.on_nan == "skip":
+                raise ConfigError("on_nan='skip' is not supported with collective training (torchrun): every rank "
+                                  "takes every step together; a non-finite step stops every rank (use on_nan='raise')")
             if self.optimize.async_embedding:
                 raise ConfigError("async_embedding is not supported with collective training (torchrun): the id "
                                   "exchange is a collective every rank runs in the same order inside the step, not "
@@ -233,7 +236,8 @@ class Trainer:
         self.updater = make_updater(self.model, cfg.optimizer, cfg.lr, cfg.ps_addresses, cfg.protocol,
                                     sync_workers=cfg.num_shards if cfg.sync else 1, worker_index=cfg.shard_index,
                                     num_workers=cfg.num_shards, dense=cfg.dense, master=cfg.master,
-                                    collective=cfg.collective, device=self.device)
+                                    collective=cfg.collective, device=self.device,
+                                    micro_batches=cfg.optimize.micro_batch_num)
         # after the optimizer: its row-sparse slots move with the tables
         self.host_tables = self.updater.host_tables if cfg.collective else place_model(self.model, self.device)
         optimize_config = cfg.optimize

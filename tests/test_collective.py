@@ -35,7 +35,7 @@ class Tiny(nn.Module):
 
     def forward(self, ids):
         ids = {**ids, "c": ids["a"] % 5} if self.fixed else ids
-        return self.top(self.emb(ids).reshape(len(ids["a"]), -1)).squeeze(1)
+        return self.top(self.emb(ids).flatten(1)).squeeze(1)
 
 
 def global_batches():
@@ -141,6 +141,61 @@ def test_fixed_tables_sharded_row_and_table_wise_equal_one_process(tmp_path):
             table[shard.state_dict()["keys"]] = shard.weight
         old = merged[prefix + "values"][torch.argsort(merged[prefix + "keys"])]
         assert torch.equal(table, old)
+
+
+class Lossy(nn.Module):
+    """Tiny with its loss; `scale` nan poisons one rank's loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.tiny = Tiny()
+
+    def forward(self, batch):
+        logits = self.tiny({"a": batch["a"], "b": batch["b"]})
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch["label"]) * batch["scale"].mean()
+        return {"loss": loss, "logits": logits}
+
+
+def _rank_nan(rank, port, out_dir):
+    from deeprec.distributed.collective import CollectiveUpdater
+    from deeprec.errors import NonFiniteError
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
+    model = Lossy()
+    updater = CollectiveUpdater(model, "adagrad", 0.05, rank, WORLD)
+    fast = dr.optimize(model)
+    part, stopped, before = slice(rank * BATCH, (rank + 1) * BATCH), None, None
+    try:
+        for step, (ids, labels) in enumerate(global_batches()[:6]):
+            if step == 3:
+                before = rows(model)
+            nan = rank == 1 and step == 3
+            out = fast.step({"a": ids["a"][part], "b": ids["b"][part], "label": labels[part],
+                             "scale": torch.full((BATCH,), float("nan") if nan else 1.0)})
+            updater.discard() if "nonfinite" in out else updater.apply()
+    except NonFiniteError as err:
+        stopped = (updater.step, str(err))
+    torch.save({"stopped": stopped, "before": before, "after": rows(model)}, os.path.join(out_dir, f"nan{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_a_nan_on_one_rank_stops_every_rank_with_nothing_applied(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank_nan, args=(port, str(tmp_path)), nprocs=WORLD, join=True)
+    ranks = [torch.load(tmp_path / f"nan{r}.pt") for r in range(WORLD)]
+    assert ranks[1]["stopped"][0] == ranks[0]["stopped"][0] == 3  # both stop at the 4th step, neither hangs
+    assert "on this rank" in ranks[1]["stopped"][1] and "averaged over the ranks" in ranks[0]["stopped"][1]
+    for r in ranks:  # the poisoned step updated no row (its lookups may insert new keys, as in one process)
+        for name in [k for k in r["before"] if k.endswith(".keys")]:
+            prefix = name[: -len("keys")]
+            after = {int(k): i for i, k in enumerate(r["after"][name])}
+            where = torch.tensor([after[int(k)] for k in r["before"][name]], dtype=torch.long)
+            for field in ("values", "slot.accumulator", "version"):
+                assert torch.equal(r["before"][prefix + field], r["after"][prefix + field][where]), prefix + field
 
 
 def test_two_ranks_equal_one_process_on_the_global_batch(tmp_path):

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from deeprec.distributed.allreduce import Traffic
-from deeprec.errors import ConfigError
+from deeprec.errors import ConfigError, NonFiniteError
 from deeprec.nn.collection import EmbeddingCollection, FusedLookup
 from deeprec.nn.lookup import assemble
 from deeprec.nn.variable import EmbeddingVariable, shard_of
@@ -71,6 +71,7 @@ class ShardedLookup(nn.Module):
     _deeprec_leaf = True
     _deeprec_stateful = True
     _deeprec_row_sparse = True  # updates rows in backward, or kept over micro-batches (deferred_lookups)
+    _deeprec_collective = True  # every rank's forward and backward pair up: a backward is never skipped
 
     def __init__(self, fused: FusedLookup, group=None):
         super().__init__()
@@ -274,12 +275,17 @@ __all__ = ["ShardedLookup", "shard_embeddings", "evaluate_sharded", "CollectiveU
 
 class CollectiveUpdater(LocalUpdater):
     """The trainer's updater under torchrun (`torchrun --nproc-per-node N -m deeprec train ...`):
-    embeddings sharded by all-to-all (updated inside the backward), dense gradients averaged by
-    one flat all-reduce per step (deeprec.distributed.allreduce), then the local optimizer."""
+    embeddings sharded by all-to-all, dense gradients averaged by bucketed all-reduces launched
+    during the backward (deeprec.distributed.buckets), then one step of everything.
+
+    The owners keep their rows' gradients until `apply` (ShardedLookup.fused False): a step whose
+    averaged dense gradients are not finite (any rank's inf or nan spreads into the mean, so every
+    rank sees it) is then dropped whole on every rank, and every rank stops with NonFiniteError."""
 
     def __init__(self, model: nn.Module, optimizer: str, lr: float, rank: int, world_size: int,
-                 device: torch.device = torch.device("cpu")):
+                 device: torch.device = torch.device("cpu"), overlap: bool = True):
         from deeprec.distributed.allreduce import DenseAllReduce, rendezvous_from_env
+        from deeprec.distributed.buckets import BucketedAllReduce
         from deeprec.optim import make_optimizer
         from deeprec.runtime.device import move_dense, place_tables
 
@@ -287,34 +293,44 @@ class CollectiveUpdater(LocalUpdater):
         self.rank, self.world_size = rank, world_size
         move_dense(model, device)  # the all-reduce runs where the dense layers are: NCCL on a GPU
         dense = [p for p in model.parameters() if p.requires_grad]
-        self.allreduce = DenseAllReduce(dense, rendezvous_from_env(rank, world_size))
-        self.allreduce.broadcast_parameters()  # the replicas start equal
+        DenseAllReduce(dense, rendezvous_from_env(rank, world_size)).broadcast_parameters()  # joins; replicas equal
+        self.reducer = BucketedAllReduce(dense, overlap=overlap)
         if not shard_embeddings(model):  # on the host: a rank moves only its shard to the GPU
             raise ConfigError("collective training shards the model's EmbeddingCollections: this model has none "
                               "(--embedding torch keeps nn.Embedding tables: give --embedding variable or fused)")
         self.optimizer.lookups = [m for m in model.modules() if isinstance(m, ShardedLookup)]
+        for lookup in self.optimizer.lookups:
+            lookup.fused = False  # rows updated in apply, after the finite check
         self.host_tables = place_tables(model, device)
 
     def apply(self) -> None:
-        self.allreduce.average_gradients()
+        self.reducer.wait()
+        if not self.reducer.finite():
+            self._drop("dense gradient (averaged over the ranks)")
         super().apply()
 
     def discard(self) -> None:
-        raise ConfigError("--on-nan skip is not supported with collective training (the other ranks' step "
-                          "has already updated their embedding shards): use --on-nan raise")
+        self.reducer.wait()  # the other ranks' all-reduces need this rank's part
+        self._drop("loss or gradient on this rank")
+
+    def _drop(self, what: str) -> None:
+        self.optimizer.zero_grad()  # dense gradients and the rows' kept gradients: nothing applied
+        raise NonFiniteError(f"non-finite {what} at step {self.step + 1}: every rank stops, nothing of the step "
+                             "was applied (the last checkpoint is intact); check the data and the learning rate. "
+                             "Collective training cannot skip a step (--on-nan skip is for single-process training)")
 
     def traffic(self) -> dict:
         """Communication per step so far: all-to-all (ids, rows, gradients) and the dense all-reduce."""
         lookups = [m.traffic for m in self.model.modules() if isinstance(m, ShardedLookup)]
         steps = max(1, self.step)
-        reduce = self.allreduce
+        reduce = self.reducer
         return {"steps": self.step, "ranks": self.world_size,
                 "all_to_all_ms": 1e3 * sum(t.seconds for t in lookups) / steps,
                 "all_to_all_bytes": sum(t.bytes_sent for t in lookups) / steps,
                 "all_to_all_calls": sum(t.calls for t in lookups) / steps,
-                "all_reduce_ms": 1e3 * reduce.traffic.seconds / steps,
+                "all_reduce_ms": 1e3 * reduce.traffic.seconds / steps,  # waited for in apply: not hidden
                 "all_reduce_bytes": reduce.traffic.bytes_sent / steps,
-                "dense_parameters": sum(p.numel() for p in reduce.params)}
+                "dense_parameters": sum(f.numel() for f in reduce.flats)}
 
     def checkpoint_dir(self, base: str) -> str:
         return rank_dir(base, self.rank, self.world_size)  # this rank's shards (deeprec.distributed.reshard)

@@ -74,6 +74,7 @@ class OptimizedModel(nn.Module):
         self.last_source_state = None  # reader position after the last batch iterate() yielded
         self.prefetch_stats = None
         self.auto_decision = None  # SmartStageOptions(executor="auto"): what it picked and why
+        self.collective = any(getattr(m, "_deeprec_collective", False) for m in model.modules())
     @property
     def staged(self) -> bool:
         return self.partition is not None and self.partition.stage is not None
@@ -120,9 +121,11 @@ class OptimizedModel(nn.Module):
             for item, size in zip(items, sizes):
                 out = self(item)
                 outputs.append(out)
-                # a non-finite loss never reaches backward: the fused embedding update runs there
-                finite = bool(torch.isfinite(out["loss"]))
-                if not finite:
+                # a non-finite loss never reaches backward: the fused embedding update runs there (a
+                # collective model's backward still runs: the other ranks' exchanges wait for it)
+                loss_finite = bool(torch.isfinite(out["loss"]))
+                finite = finite and loss_finite
+                if not loss_finite and not self.collective:
                     break
                 with record_function("deeprec.backward"):
                     (out["loss"] * (size / total)).backward()

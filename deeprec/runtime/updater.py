@@ -82,7 +82,8 @@ class LocalUpdater:
 
 def make_updater(model: nn.Module, optimizer: str, lr: float, ps_addresses=(), protocol: str = "star_server",
                  sync_workers: int = 1, worker_index: int = 0, num_workers: int = 1, dense: str = "allreduce",
-                 master: str | None = None, collective: bool = False, device=None) -> Updater:
+                 master: str | None = None, collective: bool = False, device=None,
+                 micro_batches: int = 1) -> Updater:
     """Local training, a parameter-server worker when `ps_addresses` are given, or a rank of
     collective training (the model's embedding lookups are then swapped for remote or sharded
     ones: call before `optimize`). `device`: collective training places the model itself (dense
@@ -90,7 +91,8 @@ def make_updater(model: nn.Module, optimizer: str, lr: float, ps_addresses=(), p
     if collective:
         from deeprec.distributed.collective import CollectiveUpdater
 
-        return CollectiveUpdater(model, optimizer, lr, worker_index, num_workers, device or torch.device("cpu"))
+        return CollectiveUpdater(model, optimizer, lr, worker_index, num_workers, device or torch.device("cpu"),
+                                 overlap=micro_batches == 1)  # micro-batches: all-reduce after the last backward
     if not ps_addresses:
         from deeprec.optim import make_optimizer
 
