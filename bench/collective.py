@@ -6,7 +6,10 @@ Adagrad, synthetic Criteo-layout data (Kaggle cardinalities). Each configuration
     1 rank, 2 threads     local training: all of this machine's cores in one process
     1 rank, 1 thread      local training on one core (the per-core reference)
     2 ranks collective    deeprec launch --workers 2 --collective, 1 thread each
-    2 workers + 1 PS      deeprec launch --ps 1 --workers 2 (dense by all-reduce), 1 thread each
+    2 workers + 1 PS      deeprec launch --ps 1 --workers 2 (dense by all-reduce), 1 thread each:
+                          asynchronous (each worker's step reads rows the other may be updating)
+    ... , sync            the same with --sync: every step averages both workers' gradients, as
+                          collective training does (the same math)
 
 Reported: aggregate steady samples/s (sum over ranks, after the trainer's 50 warm-up steps),
 median over rounds; per rank and step, the time inside the all-to-alls (ids, rows,
@@ -32,6 +35,7 @@ CONFIGS = {
     "1 rank, 1 thread": ([], ["--threads", "1"]),
     "2 ranks collective": (["launch", "--workers", "2", "--collective", "--"], ["--threads", "1"]),
     "2 workers + 1 PS": (["launch", "--ps", "1", "--workers", "2", "--"], ["--threads", "1"]),
+    "2 workers + 1 PS, sync": (["launch", "--ps", "1", "--workers", "2", "--sync", "--"], ["--threads", "1"]),
 }
 LINK_GBPS = 25.0
 MESSAGE_LATENCY_S = 25e-6  # assumed per message on TCP (not measured here): ring all-reduce 2(N-1), all-to-all N-1 x 4
@@ -40,7 +44,7 @@ MESSAGE_LATENCY_S = 25e-6  # assumed per message on TCP (not measured here): rin
 def run(config: str, data: str, steps: int, folder: str) -> dict:
     """One job; its ranks' results summed (samples/s) or averaged (per-rank traffic)."""
     launcher, extra = CONFIGS[config]
-    out = os.path.join(folder, f"{config.replace(' ', '_').replace(',', '')}.json")
+    out = os.path.join(folder, f"{config.replace(' ', '_').replace(',', '').replace('+', '')}.json")
     command = [sys.executable, "-m", "deeprec.cli", *launcher, "train", "--model", "dlrm", "--data", data,
                "--embedding", "variable", "--optimizer", "adagrad", "--batch-size", str(BATCH), "--steps",
                str(steps), "--no-progress", "--json", out, *extra]
@@ -83,7 +87,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--steps", type=int, default=250)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from results/collective.json")
     args = parser.parse_args()
+    if args.plot_only:
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "collective.json")) as f:
+            saved = json.load(f)
+        plot(saved["median_samples_per_s"], saved["projection"], saved["projection_assumptions"]["compute_ms"])
+        return
     data = synthetic_criteo(args.rows)
     runs: dict[str, list[dict]] = {c: [] for c in CONFIGS}
     with tempfile.TemporaryDirectory() as folder:
@@ -126,11 +136,16 @@ def main() -> None:
                              "projection_assumptions": {"link_gbps": LINK_GBPS, "message_latency_s": MESSAGE_LATENCY_S,
                                                         "compute_ms": compute_ms}})
 
+    plot(median, projections, compute_ms)
+
+
+def plot(median: dict, projections: list[dict], compute_ms: float) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.bar(range(len(median)), list(median.values()), color=["#888", "#bbb", "#2a7", "#c63"])
-    left.set_xticks(range(len(median)), [c.replace(" ", "\n", 1) for c in median], fontsize=8)
+    left.bar(range(len(median)), list(median.values()), color=["#888", "#bbb", "#2a7", "#c63", "#e96"])
+    left.set_xticks(range(len(median)), [c.replace(", ", "\n").replace(" + ", "\n+ ").replace(" collective", "\ncollective")
+                                         for c in median], fontsize=8)
     left.set_ylabel("samples/s, all ranks")
     left.set_title("measured on this machine (2 cores)")
     right.plot([p["ranks"] for p in projections], [p["samples_per_s"] for p in projections], "o-", color="#2a7",
