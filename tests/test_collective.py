@@ -337,7 +337,7 @@ def test_planner_spreads_big_tables_and_packs_small_ones():
     assert max(load) - min(load) <= max(p.bytes for p in small)  # greedy, largest first: balanced within a table
     assert plans["s5"].bytes == 6000 * 32 * 4  # values + Adagrad's per-element slot
     lines = describe_plan(list(plans.values()), 4)
-    assert "huge: 1,000,000 rows, 122.1 MiB, row-wise (row % N)" in lines
+    assert "  huge: 1,000,000 rows, 122.1 MiB, row-wise (row % N)" in lines
     assert "ev: grows, row-wise (key % 1000 % N)" in " ".join(lines) and "fixed tables per rank" in lines[-1]
 
 
