@@ -179,12 +179,21 @@ def model_from_checkpoint(checkpoint: str):
     from deeprec.models import build_model
 
     path = checkpoint if os.path.isfile(checkpoint) else latest_checkpoint(checkpoint)
-    if path is None:
+    merged = None
+    if path is None and os.path.isdir(checkpoint):  # collective training's rank-R-of-N folders: merged
+        from deeprec.distributed.reshard import one_process_state, restore_collective
+
+        merged = restore_collective(checkpoint, 0, 1)
+    if path is None and merged is None:
         raise ConfigError(f"no checkpoint found in {checkpoint}")
-    state = load_checkpoint(path)
+    if merged is not None:
+        state, paths, _, _ = merged
+        path = f"{checkpoint} ({len(paths)} ranks' {os.path.basename(paths[0])}, merged)"
+    else:
+        state = load_checkpoint(path)
     schema = schema_from_dict(state["schema"]) if state.get("schema") else None
     model = build_model(state["model_name"], schema=schema, **state["model_overrides"])
-    load_model_weights(model, state["model"])
+    load_model_weights(model, one_process_state(model, state["model"]) if merged is not None else state["model"])
     return model, state, schema, path
 
 

@@ -252,6 +252,8 @@ def test_torchrun_trains_two_ranks_then_resumes_resharded_on_three(tmp_path, uni
     done = torchrun(2, "--data", unique_tsv, "--steps", "8", "--checkpoint-dir", str(ckpt), "--eval-data", unique_tsv)
     evals = [line for line in done.stdout.splitlines() if "eval rows" in line]
     assert len(evals) == 2 and all("10,000" in line for line in evals)  # both ranks: all rows, gathered
+    auc = [line.split("│")[-2].strip() for line in done.stdout.splitlines() if "eval AUC" in line]
+    assert f"{assert_one_process_evaluates(ckpt, unique_tsv)['auc']:.4f}" == auc[0] == auc[1]
     states = rank_states(ckpt, 2, 8)
     dense = [k for k, v in states[0].items() if isinstance(v, torch.Tensor) and "variables" not in k
              and v.is_floating_point()]
@@ -296,17 +298,33 @@ def test_torchrun_trains_two_ranks_then_resumes_resharded_on_three(tmp_path, uni
     assert untouched > 0
 
 
+def assert_one_process_evaluates(ckpt, data: str, env=None) -> dict:
+    import json
+
+    done = subprocess.run([sys.executable, "-m", "deeprec", "evaluate", "--checkpoint", str(ckpt), "--data", data],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ranks' checkpoint-" in " ".join((done.stderr + done.stdout).split())  # the console wraps
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def test_launch_collective_runs_ranks_without_a_ps(tmp_path):
     env = dict(os.environ, DEEPREC_CACHE=str(tmp_path))
     done = subprocess.run([sys.executable, "-m", "deeprec.cli", "launch", "--workers", "2", "--collective", "--",
                            "train", "--synthetic", "4000", "--cardinalities", "small",  # fixed tables: sharded by the plan
-                           "--steps", "6", "--batch-size", "128", "--eval-batch-size", "512"],
+                           "--steps", "6", "--batch-size", "128", "--eval-batch-size", "512", "--checkpoint-dir",
+                           str(tmp_path / "ckpt")],
                           capture_output=True, text=True, timeout=300, env=env)
     out = done.stdout
     assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
     assert "[ps0]" not in out and "2/2 workers succeeded" in out
     rows = [line for line in out.splitlines() if "eval rows" in line]  # both ranks: the whole eval file
     assert len(rows) == 2 and rows[0].split("│")[-2] == rows[1].split("│")[-2]
+    # the ranks' checkpoints, merged into one process's model (fixed tables back into one weight),
+    # evaluate as the ranks did
+    auc = [line.split("│")[-2].strip() for line in out.splitlines() if "eval AUC" in line]
+    evaluated = assert_one_process_evaluates(tmp_path / "ckpt", str(next(tmp_path.glob("*eval*.tsv"))), env)
+    assert f"{evaluated['auc']:.4f}" == auc[0] == auc[1]
     refused = subprocess.run([sys.executable, "-m", "deeprec.cli", "launch", "--collective", "--ps", "1", "--",
                               "train"], capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "--collective starts no parameter server" in refused.stderr

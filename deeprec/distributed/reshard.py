@@ -87,3 +87,30 @@ def restore_collective(base: str, rank: int, world: int) -> tuple[dict, list[str
     if skipped:
         raise CheckpointError(f"no intact checkpoint of collective training: {'; '.join(skipped)}", base)
     return None
+
+
+def one_process_state(model, state: dict) -> dict:
+    """A merged collective checkpoint's model state (`restore_collective(base, 0, 1)`) in the layout
+    of the unsharded `model`: each fixed table's rows, saved per rank as global row ids and values,
+    written into its FusedLookup's weight (and optimizer slots); EmbeddingVariables load as saved."""
+    from deeprec.nn.collection import FusedLookup
+
+    out = dict(state)
+    for name, lookup in model.named_modules():
+        if not isinstance(lookup, FusedLookup) or all(lookup.dynamic):
+            continue
+        weight, slots, offset = lookup.weight.detach().clone(), {}, 0
+        for t, feature in enumerate(lookup.features):
+            prefix = f"{name}.variables.{t}."
+            rows = out.pop(prefix + "keys").long() + offset
+            weight[rows] = out.pop(prefix + "values")
+            for key in [k for k in out if k.startswith(prefix + "slot.")]:
+                value = out.pop(key)
+                slot = slots.setdefault(key[len(prefix) + 5:], value.new_zeros((weight.shape[0], *value.shape[1:])))
+                slot[rows] = value
+            offset += feature.num_embeddings
+        out[f"{name}.weight"] = weight
+        out.update({f"{name}.slot_{slot}": value for slot, value in slots.items()})
+        extra = out.get(f"{name}._extra_state") or {}
+        out[f"{name}.optimizer_step"] = torch.tensor(int((extra.get("optimizer") or {}).get("step_count", 0)))
+    return out
