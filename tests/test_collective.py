@@ -364,3 +364,18 @@ def test_explain_prints_the_sharding_plan():
                            "--no-smart-stage"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "collective sharding over 4 ranks" in done.stdout and "table-wise (on rank 3)" in done.stdout
+
+
+def test_launch_collective_stops_every_rank_when_one_fails(tmp_path, unique_tsv):
+    lines = open(unique_tsv).read().splitlines()[:4000]
+    lines[3500] = "garbage"  # in rank 1's byte range: it stops at once, rank 0 would wait for it forever
+    data = tmp_path / "half_bad.tsv"
+    data.write_text("\n".join(lines) + "\n")
+    done = subprocess.run([sys.executable, "-m", "deeprec.cli", "launch", "--workers", "2", "--collective", "--",
+                           "train", "--data", str(data), "--steps", "40", "--batch-size", "64", "--no-progress"],
+                          capture_output=True, text=True, timeout=240)
+    out = done.stdout
+    assert done.returncode != 0 and "worker1 failed" in out and "0/2 workers succeeded" in out
+    assert "stopping the other ranks" in out
+    flat = "".join(out.replace("[worker1]", "").split())  # the worker's console wraps long lines
+    assert "".join(f"{data}:3501: expected 40 fields, found 1".split()) in flat

@@ -6,7 +6,8 @@
 --collective starts no PS: the workers are torch.distributed ranks, as under
 `torchrun --nproc-per-node N -m deeprec train ...` (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE; OMP_NUM_THREADS = cores / workers unless set), and train
-with sharded embeddings (deeprec.distributed.collective).
+with sharded embeddings (deeprec.distributed.collective). A rank that fails stops the others
+(they would wait for it in their next collective), as torchrun's agent does.
 
 Starts the PS shards (each prints its port), then the workers with TF_CONFIG set
 as a Kubernetes TFJob would, and torch.distributed's MASTER_ADDR, MASTER_PORT, RANK and
@@ -26,6 +27,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 from deeprec.distributed.client import PROTOCOLS
 from deeprec.distributed.security import TOKEN_ENV
@@ -126,11 +128,14 @@ def _run_collective(num_workers: int, train_args: list[str], out, env: dict, chi
     threads = env.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // num_workers))  # no oversubscription
     return _run_workers([dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), RANK=str(i),
                               WORLD_SIZE=str(num_workers), LOCAL_RANK=str(i), LOCAL_WORLD_SIZE=str(num_workers),
-                              OMP_NUM_THREADS=threads) for i in range(num_workers)], train_args, out, children)
+                              OMP_NUM_THREADS=threads) for i in range(num_workers)], train_args, out, children,
+                        all_or_none=True)
 
 
-def _run_workers(envs: list[dict], train_args: list[str], out, children: list) -> int:
-    """One `deeprec train` per environment; output prefixed; the first failure's exit code."""
+def _run_workers(envs: list[dict], train_args: list[str], out, children: list, all_or_none: bool = False) -> int:
+    """One `deeprec train` per environment; output prefixed; the first failure's exit code.
+    `all_or_none` (collective): the first rank that fails stops the others, which would otherwise
+    wait in their next collective for it (as torchrun's agent does)."""
     procs = []
     for i, worker_env in enumerate(envs):
         proc = subprocess.Popen([sys.executable, "-m", "deeprec.cli", *train_args], env=worker_env,
@@ -139,12 +144,26 @@ def _run_workers(envs: list[dict], train_args: list[str], out, children: list) -
         thread = threading.Thread(target=_stream, args=(f"worker{i}", proc.stdout, out), daemon=True)
         thread.start()
         procs.append((proc, thread))
-    codes = []
-    for i, (proc, thread) in enumerate(procs):
-        codes.append(proc.wait())
-        thread.join(10)
-        if codes[-1] != 0:
-            out.write(f"[launch] worker{i} failed with exit code {codes[-1]}\n")
-    failed = [c for c in codes if c != 0]
+    codes: dict[int, int] = {}
+    first_failure = None
+    while len(codes) < len(procs):
+        for i, (proc, thread) in enumerate(procs):
+            if i in codes or proc.poll() is None:
+                continue
+            codes[i] = proc.returncode
+            thread.join(10)
+            if codes[i] != 0 and first_failure is None:
+                first_failure = i
+                out.write(f"[launch] worker{i} failed with exit code {codes[i]}\n")
+                if all_or_none:
+                    out.write("[launch] stopping the other ranks: a collective job needs every rank "
+                              "(restart it with --resume)\n")
+                    for other, _ in procs:
+                        if other.poll() is None:
+                            other.terminate()
+            elif codes[i] != 0 and not all_or_none:
+                out.write(f"[launch] worker{i} failed with exit code {codes[i]}\n")
+        time.sleep(0.05)
+    failed = [codes[i] for i in sorted(codes) if codes[i] != 0]
     out.write(f"[launch] {len(codes) - len(failed)}/{len(codes)} workers succeeded\n")
-    return failed[0] if failed else 0
+    return codes[first_failure] if first_failure is not None else 0
