@@ -264,6 +264,11 @@ class Trainer:
     def step(self) -> int:
         return self.updater.step
 
+    @property
+    def evaluates(self) -> bool:
+        """The chief evaluates; in collective training every rank does (each its share)."""
+        return self.cfg.is_chief or self.cfg.collective
+
     # -- checkpoints ---------------------------------------------------------------
     def state(self) -> dict:
         return {"model_name": self.cfg.model, "model_overrides": self.model_overrides, "step": self.step,
@@ -287,7 +292,7 @@ class Trainer:
             states, skipped, reader = [], [], None
             if found is not None:
                 state, paths, same_world, skipped = found
-                states = [(path, state) for path in paths[:1]]
+                states = [(paths[0], state)]
                 reader = state["reader"] if same_world else {  # a K-way position means nothing N-way
                     "epoch": state["reader_epoch"], "batches": 0, "fingerprint": self.train_reader.state_dict()["fingerprint"]}
                 if not same_world:
@@ -363,7 +368,7 @@ class Trainer:
 
     def _evaluate_now(self, progress) -> None:
         """--eval-every: evaluate during training and keep the result."""
-        if not (self.cfg.is_chief or self.cfg.collective):
+        if not self.evaluates:
             return
         metrics = self._evaluate()
         self.eval_history.append({"step": self.step, **metrics})
@@ -450,7 +455,7 @@ class Trainer:
             result["auto_executor"] = self.fast.auto_decision.executor
         if self.eval_history:
             result["eval_history"] = self.eval_history
-        if self.eval_reader is not None and (cfg.is_chief or cfg.collective):
+        if self.eval_reader is not None and self.evaluates:
             result["eval"] = self._evaluate()
         return result
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import time
 from dataclasses import dataclass
 
 import torch
@@ -82,29 +81,46 @@ class Traffic:
         self.calls += 1
 
 
+def join_process_group(rendezvous: Rendezvous, device: torch.device, timeout_s: float = 300.0) -> None:
+    """torch.distributed's default group for this worker: NCCL for parameters on a GPU, gloo on CPU."""
+    if dist.is_initialized():
+        raise ConfigError("torch.distributed is already initialized in this process: one worker per process")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            init_method=f"tcp://{rendezvous.master_addr}:{rendezvous.master_port}",
+                            rank=rendezvous.rank, world_size=rendezvous.world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def broadcast_parameters(params: list[torch.Tensor]) -> None:
+    """Worker 0's parameter values to every worker (the replicas start equal), in one flat buffer."""
+    if not params:
+        return
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    dist.broadcast(flat, src=0)
+    _unflatten(flat, [p.data for p in params])
+
+
+def _unflatten(flat: torch.Tensor, into: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in into:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 class DenseAllReduce:
     """Averages `params`' gradients over the workers each step, in one flat buffer."""
 
     def __init__(self, params: list[torch.Tensor], rendezvous: Rendezvous, timeout_s: float = 300.0):
         self.params = params
         device = params[0].device if params else torch.device("cpu")
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if dist.is_initialized():
-            raise ConfigError("torch.distributed is already initialized in this process: one PS worker per process")
-        dist.init_process_group(backend, init_method=f"tcp://{rendezvous.master_addr}:{rendezvous.master_port}",
-                                rank=rendezvous.rank, world_size=rendezvous.world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        join_process_group(rendezvous, device, timeout_s)
         self.world_size = rendezvous.world_size
         self._flat = torch.zeros(sum(p.numel() for p in params) + 1, device=device)  # + the "training" flag
         self.active = True
-        self.traffic = Traffic()  # bytes: a ring all-reduce's, 2 (N - 1) / N of the buffer per worker
 
     def broadcast_parameters(self) -> None:
         """Worker 0's parameter values to every worker (the replicas start equal)."""
-        flat = self._flat[:-1]
-        torch.cat([p.detach().reshape(-1) for p in self.params], out=flat)
-        dist.broadcast(flat, src=0)
-        self._unflatten(flat, [p.data for p in self.params])
+        broadcast_parameters(self.params)
 
     def average_gradients(self) -> None:
         """Each parameter's .grad becomes the mean over the workers that still train."""
@@ -116,7 +132,7 @@ class DenseAllReduce:
         flat[:-1] /= flat[-1]
         for p, g in zip(self.params, grads):
             p.grad = g
-        self._unflatten(flat[:-1], grads)
+        _unflatten(flat[:-1], grads)
 
     def drain(self) -> None:
         """This worker has no more data: join the others' all-reduces until all have ended."""
@@ -135,19 +151,9 @@ class DenseAllReduce:
             dist.destroy_process_group()
 
     def _all_reduce(self, flat: torch.Tensor) -> None:
-        started = time.perf_counter()
         try:
             dist.all_reduce(flat)
-            self.traffic.add(time.perf_counter() - started,
-                             int(2 * (self.world_size - 1) / self.world_size * flat.numel() * flat.element_size()))
         except (RuntimeError, dist.DistBackendError) as err:
             raise AllReduceError(f"the all-reduce of the dense gradients failed: another worker is gone ({err}). "
                                  "With --dense allreduce every worker must run (restart the job with --resume); "
                                  "--dense ps lets the other workers go on") from None
-
-    @staticmethod
-    def _unflatten(flat: torch.Tensor, into: list[torch.Tensor]) -> None:
-        offset = 0
-        for t in into:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()

@@ -3,14 +3,16 @@
     rank r, one step (world N; EmbeddingVariable rows of key k live on rank k % 1000 % N, fixed
     tables' rows row-wise or table-wise per deeprec.distributed.sharding's plan):
 
-    forward   unique keys of each table ──all_to_all(ids)──> the owners look up their rows
+    forward   unique keys of each table ──all_to_all(counts, ids)──> the owners look up their rows
               (one lookup per table, keys from every rank merged) ──all_to_all(values)──> rows [U, D]
     backward  rows' gradient ──all_to_all(grads)──> the owners sum every rank's gradient of a row,
-              divide by N (the global batch's mean) and apply the row-sparse optimizer locally
+              divide by N (the global batch's mean) and apply the row-sparse optimizer locally:
+              at once (fused), or at the optimizer's step (CollectiveUpdater: after a finite check)
 
-`shard_embeddings(model)` swaps each EmbeddingCollection's lookup for a ShardedLookup (as the PS worker swaps in a RemoteLookup), same inputs and outputs. The dense
-layers are data parallel (DDP, outside). The exchange runs on its own process group, so its
-collectives never interleave with DDP's all-reduces on the default group.
+`shard_embeddings(model)` swaps each EmbeddingCollection's lookup for a ShardedLookup (as the PS
+worker swaps in a RemoteLookup), same inputs and outputs. The dense layers are data parallel (DDP,
+or CollectiveUpdater's bucketed all-reduce). The exchange runs on its own process group, so its
+collectives never interleave with the dense all-reduces on the default group.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from deeprec.nn.lookup import assemble
 from deeprec.nn.variable import EmbeddingVariable, shard_of
 from deeprec.optim import merge_rows
 from deeprec.distributed.reshard import rank_dir
-from deeprec.distributed.sharding import FixedShard, describe_plan, plan_tables
+from deeprec.distributed.sharding import FixedShard, describe_plan, plan_lookup
 from deeprec.runtime.updater import LocalUpdater
 
 
@@ -83,10 +85,7 @@ class ShardedLookup(nn.Module):
         self.num_pooled, self.max_norm, self.dim = fused.num_pooled, fused.max_norm, fused.dim
         self.optimizer = fused.optimizer
         self.table_sizes = [f.num_embeddings for f in fused.features]  # None: an EmbeddingVariable
-        self.dynamic = list(fused.dynamic)
-        specs = self.optimizer.slot_specs()
-        self.plans = plan_tables([(f.name, f.num_embeddings, self.dim) for f in fused.features], self.world,
-                                 sum(self.dim if per_element else 1 for _, per_element in specs.values()))
+        self.plans = plan_lookup(fused, self.world)
         if all(fused.dynamic):
             self.variables = fused.variables
             for ev in self.variables:  # this rank keeps (and checkpoints) the keys it owns
@@ -131,6 +130,10 @@ class ShardedLookup(nn.Module):
         rows_values = rows_values.to(inverse.device)  # differentiable: gradients return to the tables' device
         return assemble(rows_values, inverse, offsets, weights, masks, self.num_pooled, self.max_norm)
 
+    @property
+    def dynamic(self) -> list[bool]:
+        return [size is None for size in self.table_sizes]
+
     def table_nbytes(self) -> int:
         """This rank's fixed-table rows and slots (EmbeddingVariables grow: not counted)."""
         return 0 if all(self.dynamic) else sum(shard.nbytes() for shard in self.variables)
@@ -148,7 +151,7 @@ class ShardedLookup(nn.Module):
         return self._group
 
     def _owners(self, uniques: list[torch.Tensor], keys: torch.Tensor) -> torch.Tensor:
-        if self.table_sizes[0] is None:
+        if all(self.dynamic):
             return shard_of(keys, self.world)
         for f, (ids, size) in enumerate(zip(uniques, self.table_sizes)):  # asked here: the owner could not say
             if ids.numel() and int(ids.max()) >= size:
@@ -168,9 +171,6 @@ class ShardedLookup(nn.Module):
     def apply(self, plan: dict, grads: torch.Tensor) -> None:
         """Every rank's gradient of this rank's rows: summed per row, / world (the global batch's
         mean); one optimizer step, or kept for `step()` over micro-batches (fused False)."""
-        if self.optimizer is None:
-            raise RuntimeError("a sharded EmbeddingCollection needs a row-sparse optimizer: "
-                               "deeprec.optim.make_optimizer(model) before shard_embeddings")
         updates = [(rows, torch.zeros(n, self.dim, device=grads.device).index_add_(0, where, grads[sel]) / self.world,
                     generation)
                    for sel, where, n, rows, generation in plan["tables"]]
@@ -270,9 +270,6 @@ def _lockstep(reader):
         yield batch
 
 
-__all__ = ["ShardedLookup", "shard_embeddings", "evaluate_sharded", "CollectiveUpdater"]
-
-
 class CollectiveUpdater(LocalUpdater):
     """The trainer's updater under torchrun (`torchrun --nproc-per-node N -m deeprec train ...`):
     embeddings sharded by all-to-all, dense gradients averaged by bucketed all-reduces launched
@@ -284,7 +281,7 @@ class CollectiveUpdater(LocalUpdater):
 
     def __init__(self, model: nn.Module, optimizer: str, lr: float, rank: int, world_size: int,
                  device: torch.device = torch.device("cpu"), overlap: bool = True):
-        from deeprec.distributed.allreduce import DenseAllReduce, rendezvous_from_env
+        from deeprec.distributed.allreduce import broadcast_parameters, join_process_group, rendezvous_from_env
         from deeprec.distributed.buckets import BucketedAllReduce
         from deeprec.optim import make_optimizer
         from deeprec.runtime.device import move_dense, place_tables
@@ -293,7 +290,8 @@ class CollectiveUpdater(LocalUpdater):
         self.rank, self.world_size = rank, world_size
         move_dense(model, device)  # the all-reduce runs where the dense layers are: NCCL on a GPU
         dense = [p for p in model.parameters() if p.requires_grad]
-        DenseAllReduce(dense, rendezvous_from_env(rank, world_size)).broadcast_parameters()  # joins; replicas equal
+        join_process_group(rendezvous_from_env(rank, world_size), device)
+        broadcast_parameters(dense)  # the replicas start equal
         self.reducer = BucketedAllReduce(dense, overlap=overlap)
         if not shard_embeddings(model):  # on the host: a rank moves only its shard to the GPU
             raise ConfigError("collective training shards the model's EmbeddingCollections: this model has none "
@@ -334,3 +332,6 @@ class CollectiveUpdater(LocalUpdater):
 
     def checkpoint_dir(self, base: str) -> str:
         return rank_dir(base, self.rank, self.world_size)  # this rank's shards (deeprec.distributed.reshard)
+
+
+__all__ = ["ShardedLookup", "shard_embeddings", "evaluate_sharded", "CollectiveUpdater"]

@@ -1,12 +1,12 @@
 """Checkpoints of collective training: one folder per rank, restored onto any world size.
 
-    <checkpoint_dir>/rank-0-of-2/checkpoint-000000100.pt   rank 0's shard of every EmbeddingVariable,
+    <checkpoint_dir>/rank-0-of-2/checkpoint-000000100.pt   rank 0's shard of every table (EmbeddingVariable or fixed),
     <checkpoint_dir>/rank-1-of-2/checkpoint-000000100.pt   the dense weights and optimizer (equal on all)
 
 A restore looks at every `rank-R-of-K` folder and takes the newest step that all K ranks of one
 world size saved intact. On the same world size each rank loads its own file. On another world
-size (2 ranks -> 3) it loads all K files: the EmbeddingVariables' rows of every old rank are
-concatenated and each EmbeddingVariable keeps the keys it owns now (`shard_of(key, N)`), the
+size (2 ranks -> 3) it loads all K files: every table's rows of every old rank are concatenated
+and each table's shard keeps the keys it owns now (`shard_of(key, N)`, or the fixed table's plan), the
 dense weights and optimizer come from old rank 0. A reader's position is a position in its
 K-way byte range and means nothing in an N-way one: the readers restart at the start of the
 oldest epoch an old rank was in (rows are seen again, none is skipped), and the trainer says so.
@@ -49,14 +49,14 @@ def _newest_complete(base: str, world: int) -> list[tuple[int, list[str]]]:
 
 
 def merge_rank_states(states: list[dict]) -> dict:
-    """One state holding every rank's EmbeddingVariable rows (concatenated; each loading
-    EmbeddingVariable keeps its own shard) and rank 0's dense weights and optimizer."""
+    """One state holding every rank's table rows (concatenated; each loading shard keeps its own
+    rows) and rank 0's dense weights and optimizer."""
     merged = dict(states[0])
     model = dict(states[0]["model"])
     prefixes = [k[: -len("keys")] for k in model if k.endswith(".keys")]
     for name in model:
         prefix = next((p for p in prefixes if name.startswith(p)), None)
-        if prefix is not None and model[name].dim() > 0:  # a per-row field of an EmbeddingVariable
+        if prefix is not None and model[name].dim() > 0:  # a per-row field of a sharded table
             model[name] = torch.cat([s["model"][name] for s in states])
     merged["model"] = model
     return merged

@@ -11,6 +11,7 @@ starts; a rank's ShardedLookup keeps its plan for `explain()`.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -70,18 +71,21 @@ def describe_plan(plans: list[TablePlan], world: int) -> list[str]:
     return lines
 
 
+def plan_lookup(lookup: nn.Module, world: int) -> list[TablePlan]:
+    """The plan of a FusedLookup's tables over `world` ranks; its row-sparse optimizer's slots count
+    in the bytes (none attached: the values only)."""
+    specs = lookup.optimizer.slot_specs() if lookup.optimizer is not None else {}
+    return plan_tables([(f.name, f.num_embeddings, lookup.dim) for f in lookup.features], world,
+                       sum(lookup.dim if per_element else 1 for _, per_element in specs.values()))
+
+
 def plan_model(model: nn.Module, world: int) -> list[str]:
-    """explain()'s lines for `model` sharded over `world` ranks (its row-sparse optimizer attached
-    sets the slot bytes; none: values only)."""
+    """explain()'s lines for `model`'s EmbeddingCollections sharded over `world` ranks."""
     from deeprec.nn.collection import EmbeddingCollection
 
     lines = []
     for collection in (m for m in model.modules() if isinstance(m, EmbeddingCollection)):
-        lookup = collection.lookup
-        specs = lookup.optimizer.slot_specs() if getattr(lookup, "optimizer", None) is not None else {}
-        plans = plan_tables([(f.name, f.num_embeddings, lookup.dim) for f in lookup.features], world,
-                            sum(lookup.dim if per_element else 1 for _, per_element in specs.values()))
-        lines += describe_plan(plans, world)
+        lines += describe_plan(plan_lookup(collection.lookup, world), world)
     return lines
 
 
@@ -99,8 +103,6 @@ class FixedShard(nn.Module):
         self.slots = {name: s[ids].clone() for name, s in slots.items()}
         self.global_step = 0  # what ShardedLookup sets before an update (rows here have no version)
         self.generation = 0
-        import threading
-
         self._lock = threading.RLock()
 
     def _apply(self, fn, recurse=True):  # .to(device) moves the shard

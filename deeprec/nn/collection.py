@@ -62,7 +62,6 @@ class FusedLookup(nn.Module):
     the looked-up features (pooled ones first) pool their bags."""
 
     _deeprec_row_sparse = True  # updates rows in backward, or kept over micro-batches (deferred_lookups)
-
     _deeprec_leaf = True  # captured as one node (deeprec.graph.capture)
     _deeprec_stateful = True  # inserts keys and takes updates: never staged (deeprec.graph.smart_stage)
 
@@ -210,6 +209,12 @@ class FusedLookup(nn.Module):
                 rows_values = self.weight.index_select(0, rows)
         rows_values = rows_values.to(inverse.device)  # differentiable: gradients return to the tables' device
         return assemble(rows_values, inverse, offsets, weights, masks, self.num_pooled, self.max_norm)
+
+    def table_nbytes(self) -> int:
+        """The fixed tables' values and optimizer slots (EmbeddingVariables grow: not counted)."""
+        if all(self.dynamic):
+            return 0
+        return sum(t.numel() * t.element_size() for t in [self.weight, *self._slots().values()])
 
     @property
     def table_device(self) -> torch.device:

@@ -24,7 +24,7 @@ from torch import nn
 from deeprec.errors import ConfigError
 
 DEVICES = ("cpu", "cuda", "auto")
-DEVICE_MEMORY_SHARE = 0.8  # of the free device memory, for the tables: the rest for activations
+DEVICE_MEMORY_SHARE = 0.8  # of the device's memory, for the tables: the rest for activations
 
 
 def resolve_device(name: str) -> torch.device:
@@ -45,8 +45,7 @@ def resolve_device(name: str) -> torch.device:
 
 def _lookups(model: nn.Module) -> dict[str, nn.Module]:
     """The embedding lookups (FusedLookup, collective ShardedLookup): modules holding tables."""
-    found = {name: m for name, m in model.named_modules() if getattr(m, "_deeprec_row_sparse", False)}
-    return {n: m for n, m in found.items() if not any(n.startswith(o + ".") for o in found if o != n)}
+    return {name: m for name, m in model.named_modules() if getattr(m, "_deeprec_row_sparse", False)}
 
 
 def _bytes(tensors) -> int:
@@ -70,8 +69,7 @@ def place_tables(model: nn.Module, device: torch.device) -> list[str]:
         return []
     lookups = _lookups(model)
     host = {n for n, m in lookups.items() if all(m.dynamic)}  # EmbeddingVariables: host hash tables
-    size = {n: m.table_nbytes() if hasattr(m, "table_nbytes") else _bytes(m.parameters()) + _bytes(m.buffers())
-            for n, m in lookups.items()}
+    size = {n: m.table_nbytes() for n, m in lookups.items()}
     dense = _bytes(model.parameters()) - sum(_bytes(m.parameters()) for m in lookups.values())
     budget = DEVICE_MEMORY_SHARE * torch.cuda.get_device_properties(device).total_memory - dense
     for name in sorted((n for n in lookups if n not in host), key=lambda n: (-size[n], n)):
