@@ -134,6 +134,7 @@ def run_case(protocol: str, dense_mode: str, workers: int, batch: int, steps: in
 def run_training(mode: str, steps: int, data: str) -> float:
     """DLRM samples/s: mode "local", "local_tables", or 1 PS + this worker with dense "ps" /
     "allreduce" (star_server), "allreduce_lite" (star_server_lite)."""
+    from deeprec.distributed.ps_strategy import ParameterServer
     from deeprec.trainer import TrainConfig, Trainer
 
     common = dict(model="dlrm", data=[data], steps=steps, batch_size=512, optimizer="adagrad", lr=0.01,
@@ -141,16 +142,16 @@ def run_training(mode: str, steps: int, data: str) -> float:
     if mode.startswith("local"):
         embedding = "variable" if mode == "local" else None  # None: the default fused hashed tables
         cfg = TrainConfig.create(**common, embedding=embedding, optimize=dict(smart_stage=True, main_threads=1))
-        return Trainer(cfg).train()["samples_per_s"]
+        return Trainer(cfg, strategy=ParameterServer([address])).train()["samples_per_s"]
     ps = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "127.0.0.1:0", "--workers", "1"],
                           stdout=subprocess.PIPE, text=True)
     address = ps.stdout.readline().split()[-1]
     try:
         dense, _, lite = mode.partition("_")
-        cfg = TrainConfig.create(**common, ps_addresses=[address], dense=dense,
+        cfg = TrainConfig.create(**common, dense=dense,
                                  protocol="star_server_lite" if lite else "star_server",
                                  optimize=dict(smart_stage=True, main_threads=1, async_embedding=True))
-        return Trainer(cfg).train()["samples_per_s"]
+        return Trainer(cfg, strategy=ParameterServer([address])).train()["samples_per_s"]
     finally:
         ps.kill()
         ps.wait(10)

@@ -16,8 +16,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from deeprec.choices import BAD_ROW_POLICIES, PROTOCOLS
 from deeprec.errors import ConfigError, DeepRecError
 from deeprec.models import MODELS
+from deeprec.models.spec import SPEC_HELP
+from deeprec.models.spec import resolve as resolve_model
+from deeprec.optim import OPTIMIZERS
 from deeprec.nn.tiered import describe_tiers
 
 SAMPLE = "criteo_sample.txt"
@@ -55,16 +59,42 @@ def synthetic_files(rows: int, cardinalities: str, seed: int, console: Console,
     return files[0], files[1]
 
 
-def train_config(args, console: Console) -> tuple:
-    """TrainConfig from, in order: its defaults, `--config FILE`, the flags given; then the
-    data (a bundled sample, --synthetic) and, under TF_CONFIG, this worker's PS job."""
+SMOKE_BATCH = 32  # rows per batch of a smoke run on a bundled sample (200 rows, 20% held out)
+
+
+def strategy_from_env():
+    """How this process trains, from its environment: a PS worker (TF_CONFIG, as deeprec launch and
+    Kubeflow's TFJob set it), a torchrun rank (WORLD_SIZE > 1), or alone."""
     from deeprec.distributed import worker_task_from_env
+
+    task = worker_task_from_env()
+    if task is not None:
+        from deeprec.distributed.ps_strategy import ParameterServer
+
+        return ParameterServer(task.ps_addresses, task.index, task.num_workers, task.master), task.protocol
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        from deeprec.distributed.collective_strategy import Collective
+
+        return Collective(int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])), None
+    from deeprec.runtime.strategy import LocalStrategy
+
+    return LocalStrategy(), None
+
+
+def train_config(args, console: Console) -> tuple:
+    """(TrainConfig, a note for the user, Strategy) from, in order: TrainConfig's defaults,
+    `--config FILE`, the flags given; then the data (a bundled sample, --synthetic) and the way
+    of training the environment says (a PS worker, a torchrun rank)."""
     from deeprec.options import build, given, load_toml, merge
     from deeprec.trainer import TrainConfig
 
     values = load_toml(args.config, TrainConfig) if args.config else {}
     values = merge(values, given(args, TrainConfig))
     model, note = values.get("model", TrainConfig.model), None
+    resolve_model(model)  # a wrong name or file fails before anything else
+    strategy, protocol = strategy_from_env()
+    if protocol:  # deeprec launch's --protocol
+        values["protocol"] = protocol
     if args.synthetic:
         if values.get("data"):
             raise ConfigError("give --data or --synthetic, not both")
@@ -75,37 +105,75 @@ def train_config(args, console: Console) -> tuple:
     elif not values.get("data"):
         sample = MODEL_SAMPLES.get(model, SAMPLE)
         values["data"] = [sample_path(sample)]
-        note = (f"smoke run on the bundled {SAMPLE_NAMES[sample]}, 20% of it held out for eval: "
-                "the AUC is noise; try --synthetic 1000000 for a meaningful run")
-        values.setdefault("eval_fraction", 0.2)
-    task = worker_task_from_env()  # a worker of a parameter-server job (deeprec launch, Kubeflow TFJob)
-    if task is not None:
-        values.update(ps_addresses=task.ps_addresses, shard_index=task.index, num_shards=task.num_workers,
-                      is_chief=task.is_chief, master=task.master)
-        if task.protocol:  # deeprec launch's --protocol
-            values["protocol"] = task.protocol
-        if task.num_workers > 1:
-            values["eval_fraction"] = 0.0
-    elif int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:  # a torchrun rank: collective training
-        rank, world = int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
-        values.update(collective=True, shard_index=rank, num_shards=world, is_chief=rank == 0, eval_fraction=0.0)
-        if note:
-            note = None  # the sample is a smoke run either way; the ranks read their shares of it
-    return build(TrainConfig, values), note
+        note = (f"smoke run on the bundled {SAMPLE_NAMES[sample]}" +
+                (", 20% of it held out for eval: the AUC is noise" if strategy.world_size == 1 else "") +
+                "; try --synthetic 1000000 for a meaningful run")
+        if strategy.world_size == 1:
+            values.setdefault("eval_fraction", 0.2)
+        if "batch_size" not in values:  # the default 512 is more rows than the sample has
+            values["batch_size"] = SMOKE_BATCH
+            note += f"; batch size {SMOKE_BATCH} (the sample has fewer rows than the default 512)"
+    return build(TrainConfig, values), note, strategy
+
+
+def _rank_console(strategy) -> Console:
+    """Under torchrun every rank's lines carry its rank (deeprec launch prefixes them itself)."""
+    if strategy.world_size == 1 or os.environ.get("DEEPREC_LAUNCHED"):
+        return Console(stderr=True)
+
+    class RankConsole(Console):
+        def print(self, *objects, **kwargs):
+            super().print(f"[rank {strategy.rank}]", *objects, **kwargs)
+
+    return RankConsole(stderr=True)
 
 
 def cmd_train(args, console: Console) -> int:
+    from deeprec.runtime.signals import Interrupted
     from deeprec.trainer import train
 
-    cfg, note = train_config(args, console)
-    if note:
-        console.print(f"[bold]{note}[/bold]")
-    result = train(cfg, console)
+    cfg, note, strategy = train_config(args, console)
+    console = _rank_console(strategy)
+    if note and strategy.is_chief:
+        console.print(f"[bold]{escape(note)}[/bold]")
+    try:
+        result = train(cfg, console, strategy=strategy)
+    except Interrupted as stop:
+        console.print(str(stop), highlight=False)
+        return stop.exit_code
+    if args.json or os.environ.get("DEEPREC_RESULT_DIR"):
+        _write_result(result, args.json, strategy)
+    if strategy.is_chief:  # one summary per job
+        Console().print(summary_table(cfg, result))
+    else:
+        console.print(f"rank {strategy.rank} finished: {result['steps']} steps, {result['rows']:,} rows, "
+                      f"{result['samples_per_s']:,.0f} samples/s (rank 0 prints the summary)")
+    return 0
+
+
+def _write_result(result: dict, path: str | None, strategy) -> None:
+    """--json PATH (rank R of several: <name>.rank-R.json); under deeprec launch also its result folder,
+    where the launcher adds up the job's totals."""
+    paths = []
+    if path:
+        if strategy.world_size > 1:
+            stem, ext = os.path.splitext(path)
+            path = f"{stem}.rank-{strategy.rank}{ext}"
+        paths.append(path)
+    if os.environ.get("DEEPREC_RESULT_DIR"):
+        paths.append(os.path.join(os.environ["DEEPREC_RESULT_DIR"], f"rank-{strategy.rank}.json"))
+    for p in paths:
+        with open(p, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+def summary_table(cfg, result: dict) -> Table:
     table = Table(title=f"deeprec train --model {cfg.model}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row("steps", str(result["steps"]))
-    table.add_row("samples/s", f"{result['samples_per_s']:,.0f}")
+    table.add_row("samples/s", f"{result['samples_per_s']:,.0f}" +
+                  (f" (this rank of {result['world_size']})" if result.get("world_size", 1) > 1 else ""))
     table.add_row("final train loss", f"{result['final_loss']:.4f}")
     if "auto" in result:
         table.add_row("smart stage auto", result["auto"])
@@ -135,17 +203,7 @@ def cmd_train(args, console: Console) -> int:
             suffix = f" ({name})" if name else ""
             table.add_row(f"eval AUC{suffix}", f"{metrics['auc']:.4f}")
             table.add_row(f"eval logloss{suffix}", f"{metrics['logloss']:.4f}")
-    Console().print(table)
-    if note:
-        console.print(note)
-    if args.json:
-        path = args.json
-        if cfg.num_shards > 1:  # several workers or ranks: one file each, out.json -> out.rank-1.json
-            stem, ext = os.path.splitext(path)
-            path = f"{stem}.rank-{cfg.shard_index}{ext}"
-        with open(path, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0
+    return table
 
 
 def cmd_launch(args, console: Console) -> int:
@@ -158,9 +216,16 @@ def cmd_launch(args, console: Console) -> int:
 
 def cmd_explain(args, console: Console) -> int:
     import deeprec as dr
-    from deeprec.models import build_model
+    from deeprec.data import resolve_schema
+    from deeprec.models.spec import is_zoo, load_model
 
-    model = build_model(args.model, **({"embedding": args.embedding} if args.embedding else {}))
+    schema = resolve_schema(args.data, args.schema) if args.data else None
+    overrides = {"embedding": args.embedding} if args.embedding and is_zoo(args.model) else {}
+    if args.embedding and not is_zoo(args.model):
+        raise ConfigError(f"--embedding chooses a zoo model's tables; {args.model!r} declares its own")
+    if schema is None and not is_zoo(args.model):
+        schema = resolve_schema([sample_path()], None)  # your model is built over Criteo's columns unless --data
+    model = load_model(args.model, schema, **overrides)
     fast = dr.optimize(model, dr.Config(smart_stage=not args.no_smart_stage))
     print(fast.explain())
     if args.ranks:
@@ -172,16 +237,19 @@ def cmd_explain(args, console: Console) -> int:
     return 0
 
 
-def model_from_checkpoint(checkpoint: str):
-    """(model with the checkpoint's weights, its state, its schema) from a checkpoint file or folder."""
+def model_from_checkpoint(checkpoint: str, model_spec: str | None = None):
+    """(model with the checkpoint's weights, its state, its schema, where it came from) from a checkpoint
+    file or folder: one process's, a parameter-server job's (the chief's, with every PS's rows) or a
+    collective job's (rank-R-of-N folders, merged). `model_spec`: build this model instead of the one
+    the checkpoint names (a model trained from Python, or a file that moved)."""
     from deeprec.checkpoint import latest_checkpoint, load_checkpoint, load_model_weights
     from deeprec.data import schema_from_dict
-    from deeprec.models import build_model
+    from deeprec.models.spec import load_model
 
     path = checkpoint if os.path.isfile(checkpoint) else latest_checkpoint(checkpoint)
     merged = None
     if path is None and os.path.isdir(checkpoint):  # collective training's rank-R-of-N folders: merged
-        from deeprec.distributed.reshard import one_process_state, restore_collective
+        from deeprec.distributed.reshard import restore_collective
 
         merged = restore_collective(checkpoint, 0, 1)
     if path is None and merged is None:
@@ -192,15 +260,29 @@ def model_from_checkpoint(checkpoint: str):
     else:
         state = load_checkpoint(path)
     schema = schema_from_dict(state["schema"]) if state.get("schema") else None
-    model = build_model(state["model_name"], schema=schema, **state["model_overrides"])
-    load_model_weights(model, one_process_state(model, state["model"]) if merged is not None else state["model"])
+    model = load_model(model_spec or state["model_name"], schema, **state["model_overrides"])
+    if merged is not None:
+        from deeprec.distributed.reshard import one_process_state
+
+        weights = one_process_state(model, state["model"])
+    elif "ps" in state:  # a parameter-server job's chief: the dense model and every PS's rows
+        from deeprec.distributed.ps_strategy import one_process_state
+
+        weights = one_process_state(model, state)
+        path = f"{path} (parameter-server job: the PSs' rows merged)"
+    elif "model" not in state:
+        raise ConfigError(f"{path} is a parameter-server worker's checkpoint (its reader position): give the "
+                          "job's checkpoint folder, whose top level holds the chief's")
+    else:
+        weights = state["model"]
+    load_model_weights(model, weights)
     return model, state, schema, path
 
 
 def cmd_export(args, console: Console) -> int:
     from deeprec.serving import export
 
-    model, state, schema, path = model_from_checkpoint(args.checkpoint)
+    model, state, schema, path = model_from_checkpoint(args.checkpoint, args.model)
     out = export(model, args.out, schema=schema, model_name=state["model_name"], step=int(state["step"]))
     console.print(f"exported {path} (step {state['step']}) to {out}")
     return 0
@@ -220,7 +302,7 @@ def cmd_evaluate(args, console: Console) -> int:
     from deeprec.data import open_reader
     from deeprec.metrics import evaluate
 
-    model, state, schema, path = model_from_checkpoint(args.checkpoint)
+    model, state, schema, path = model_from_checkpoint(args.checkpoint, args.model)
     metrics = evaluate(model, open_reader(args.data, args.batch_size, schema=schema, on_bad_row=args.on_bad_row))
     console.print(f"{path} (step {state['step']}) on {', '.join(args.data)}")
     print(json.dumps(metrics))
@@ -273,18 +355,20 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--collective", action="store_true", help="no PS: the workers are torch.distributed ranks "
                     "with sharded embeddings (as under torchrun)")
     la.add_argument("--workers", type=int, default=1)
-    la.add_argument("--protocol", choices=("grpc", "star_server", "star_server_lite"), default="star_server")
+    la.add_argument("--protocol", choices=PROTOCOLS, default="star_server")
     la.add_argument("--sync", action="store_true", help="average all workers' gradients per step")
     la.add_argument("--resume", action="store_true", help="continue from the workers' --checkpoint-dir")
     la.add_argument("rest", nargs=argparse.REMAINDER, help="-- train ... (the worker command)")
     la.set_defaults(func=cmd_launch)
 
     ex = sub.add_parser("explain", help="show how deeprec.optimize partitions a model")
-    ex.add_argument("--model", choices=sorted(MODELS), default="dlrm")
+    ex.add_argument("--model", default="dlrm", help=SPEC_HELP.format(zoo=", ".join(sorted(MODELS))))
+    ex.add_argument("--data", nargs="+", help="the data whose columns the model is built over (default: its preset)")
+    ex.add_argument("--schema", help="the data's columns: a preset name or a TOML schema file")
     ex.add_argument("--no-smart-stage", action="store_true")
     ex.add_argument("--ranks", type=int, default=0, help="also show the collective sharding plan over N ranks")
     ex.add_argument("--embedding", choices=("table", "variable"), help="the model's embedding kind (default: its own)")
-    ex.add_argument("--optimizer", choices=("adagrad", "adam", "sgd"), default="adagrad",
+    ex.add_argument("--optimizer", choices=OPTIMIZERS, default="adagrad",
                     help="with --ranks: its slots count in the tables' bytes")
     ex.set_defaults(func=cmd_explain)
 
@@ -292,12 +376,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--checkpoint", required=True, help="checkpoint file or folder (latest is used)")
     ev.add_argument("--data", nargs="+", required=True)
     ev.add_argument("--batch-size", type=int, default=4096)
-    ev.add_argument("--on-bad-row", choices=("raise", "skip"), default="raise")
+    ev.add_argument("--on-bad-row", choices=BAD_ROW_POLICIES, default="raise")
+    ev.add_argument("--model", help="build this model (module:attribute) instead of the one the checkpoint names")
     ev.set_defaults(func=cmd_evaluate)
 
     xp = sub.add_parser("export", help="a self-contained serving export of a checkpoint (deeprec.serving)")
     xp.add_argument("--checkpoint", required=True, help="checkpoint file or folder (latest is used)")
     xp.add_argument("--out", required=True, help="the export folder (replaced atomically)")
+    xp.add_argument("--model", help="build this model (module:attribute) instead of the one the checkpoint names")
     xp.set_defaults(func=cmd_export)
 
     sv = sub.add_parser("serve", help="HTTP JSON inference server of an export (POST /v1/predict)")
@@ -323,7 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     cv = data.add_parser("convert", help="Criteo TSV/CSV to Parquet")
     cv.add_argument("input", nargs="+")
     cv.add_argument("--out", required=True)
-    cv.add_argument("--on-bad-row", choices=("raise", "skip"), default="raise")
+    cv.add_argument("--on-bad-row", choices=BAD_ROW_POLICIES, default="raise")
     cv.set_defaults(func=cmd_convert)
     return parser
 

@@ -6,6 +6,7 @@ import torch
 from deeprec.errors import ConfigError
 from deeprec.runtime import device as placement
 from deeprec.runtime.device import DeviceBatches, place_model, resolve_device, to_device
+from deeprec.distributed.ps_strategy import ParameterServer
 from deeprec.trainer import TrainConfig, train
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -21,7 +22,7 @@ def test_device_resolution_and_refusals(sample):
         with pytest.raises(ConfigError, match="torch sees no CUDA device"):
             resolve_device("cuda")
     with pytest.raises(ConfigError, match="parameter-server training runs on the CPU"):
-        TrainConfig.create(data=[sample], device="cuda", ps_addresses=["127.0.0.1:1"])
+        ParameterServer(["127.0.0.1:1"]).validate(TrainConfig.create(data=[sample], device="cuda"))
 
 
 def test_cpu_placement_leaves_model_and_batches_alone(sample):

@@ -13,7 +13,9 @@ from deeprec import optim
 from deeprec.distributed import ClusterSpec, PSClient, PSError, Server, parse_tf_config, read_endpoint_map
 from deeprec.distributed.ps_shard import SERVICE
 from deeprec.distributed.wire import pack
+from deeprec.distributed.ps_strategy import ParameterServer
 from deeprec.errors import ConfigError
+from deeprec.runtime.strategy import LocalStrategy
 from deeprec.nn import EmbeddingVariable
 
 from conftest import running_ps, start_ps  # noqa: E402  - real PS processes on loopback (fixture ps_pool)
@@ -173,7 +175,7 @@ def test_ps_training_equals_single_process_training(ps_pool, unique_tsv, num_ps,
     local = Trainer(TrainConfig(embedding="variable", **common))
     local.train()
     addresses, _ = ps_pool(num_ps)
-    remote = Trainer(TrainConfig(ps_addresses=addresses, protocol="star_server", dense=dense, **common))
+    remote = Trainer(TrainConfig(protocol="star_server", dense=dense, **common), strategy=ParameterServer(addresses))
     remote.train()
     remote.updater.pull_dense()
     for name, p in local.model.named_parameters():
@@ -243,12 +245,13 @@ def test_ps_checkpoint_restores_onto_a_different_number_of_ps(ps_pool, unique_ts
     common = dict(model="dlrm", data=[unique_tsv], batch_size=128, optimizer="adagrad", lr=0.05, seed=3,
                   model_overrides=small, progress=False)
     one, _ = ps_pool(1)
-    full = Trainer(TrainConfig(ps_addresses=one, steps=20, **common))
+    full = Trainer(TrainConfig(steps=20, **common), strategy=ParameterServer(one))
     full.train()
     two, _ = ps_pool(2)
-    Trainer(TrainConfig(ps_addresses=two, steps=12, checkpoint_dir=str(tmp_path), **common)).train()
+    Trainer(TrainConfig(steps=12, checkpoint_dir=str(tmp_path), **common), strategy=ParameterServer(two)).train()
     three, _ = ps_pool(3)
-    resumed = Trainer(TrainConfig(ps_addresses=three, steps=20, checkpoint_dir=str(tmp_path), resume=True, **common))
+    resumed = Trainer(TrainConfig(steps=20, checkpoint_dir=str(tmp_path), resume=True, **common),
+                      strategy=ParameterServer(three))
     assert resumed.step == 12
     resumed.train()
     a, b = full.updater.client.snapshot(), resumed.updater.client.snapshot()
@@ -311,8 +314,8 @@ def test_sync_workers_step_together(ps_pool, unique_tsv):
     addresses, _ = ps_pool(2)
     small = {"hash_buckets": 1000, "bottom_mlp": (32, 16), "top_mlp": (32,)}
     trainers = [Trainer(TrainConfig(model="dlrm", data=[unique_tsv], steps=6, batch_size=64, optimizer="adagrad",
-                                    ps_addresses=addresses, sync=True, num_shards=2, shard_index=i, dense="ps",
-                                    is_chief=i == 0, model_overrides=small, progress=False)) for i in range(2)]
+                                    sync=True, dense="ps", model_overrides=small, progress=False),
+                        strategy=ParameterServer(addresses, i, 2)) for i in range(2)]
     errors = []
     threads = [threading.Thread(target=lambda t=t: errors.append(None) if t.train() else None) for t in trainers]
     for t in threads:
@@ -338,8 +341,8 @@ def test_lite_protocol_in_training_saves_round_trips_with_the_same_result(ps_poo
     for protocol in ("star_server", "star_server_lite"):
         addresses, _ = ps_pool(2)
         t = Trainer(TrainConfig(model="dlrm", data=[unique_tsv], steps=10, batch_size=64, optimizer="adagrad",
-                                ps_addresses=addresses, protocol=protocol, model_overrides=small, progress=False,
-                                dense=dense))
+                                protocol=protocol, model_overrides=small, progress=False,
+                                dense=dense), strategy=ParameterServer(addresses))
         t.train()
         params = {n: p.detach().clone() for n, p in t.updater.dense.items()}
         runs[protocol] = (t.updater.client.calls, t.updater.client.snapshot(), params)
@@ -367,8 +370,9 @@ def test_async_embedding_pulls_rows_in_the_prefetch(ps_pool, unique_tsv):
             addresses, _ = ps_pool(1)
             t = Trainer(TrainConfig.create(
                 model="dlrm", data=[unique_tsv], steps=6, batch_size=64, optimizer="sgd", lr=lr,
-                ps_addresses=addresses, model_overrides=small, progress=False,
-                optimize=dict(smart_stage=True, async_embedding=async_embedding, smart_stage_options=dict(capacity=2))))
+                model_overrides=small, progress=False,
+                optimize=dict(smart_stage=True, async_embedding=async_embedding, smart_stage_options=dict(capacity=2))),
+                strategy=ParameterServer(addresses))
             losses = []  # the top layer's outputs (the graph calls submodules, not model.forward)
             t.model.top[-1].register_forward_hook(lambda m, a, out: losses.append(out.abs().sum().item()))
             t.train()
@@ -386,12 +390,13 @@ def test_async_embedding_needs_ps_and_smart_stage(tmp_path):
     from deeprec.trainer import TrainConfig
 
     with pytest.raises(ConfigError, match="needs smart_stage=True"):
-        TrainConfig.create(model="dlrm", data=["x"], optimize=dict(async_embedding=True), ps_addresses=["a:1"])
+        TrainConfig.create(model="dlrm", data=["x"], optimize=dict(async_embedding=True))
     with pytest.raises(ConfigError, match="needs a parameter-server job"):
-        TrainConfig.create(model="dlrm", data=["x"], optimize=dict(async_embedding=True, smart_stage=True))
+        LocalStrategy().validate(TrainConfig.create(model="dlrm", data=["x"],
+                                                    optimize=dict(async_embedding=True, smart_stage=True)))
     with pytest.raises(ConfigError, match="choose one"):
-        TrainConfig.create(model="dlrm", data=["x"], ps_addresses=["a:1"], sync=True,
-                           optimize=dict(async_embedding=True, smart_stage=True))
+        ParameterServer(["a:1"]).validate(TrainConfig.create(model="dlrm", data=["x"], sync=True,
+                                                             optimize=dict(async_embedding=True, smart_stage=True)))
 
 
 def test_tuning_variables_are_validated(monkeypatch):

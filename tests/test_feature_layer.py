@@ -11,6 +11,7 @@ from deeprec.cli import sample_path
 from deeprec.data import open_reader, resolve_schema
 from deeprec.models import MODELS, build_model
 from deeprec.nn import EmbeddingCollection, EmbeddingFeature, EmbeddingVariableOption, InitializerOption
+from deeprec.distributed.ps_strategy import ParameterServer
 from deeprec.optim import make_optimizer
 from deeprec.optim.sparse import SGD
 
@@ -153,9 +154,10 @@ def test_every_model_trains_on_a_parameter_server_with_async_embedding(name, beh
 
     addresses, _ = ps_pool(1)
     t = Trainer(TrainConfig.create(model=name, data=[data_for(name, behavior)], steps=4, batch_size=32, seed=1,
-                                   ps_addresses=addresses, model_overrides=SMALL[name], progress=False,
+                                   model_overrides=SMALL[name], progress=False,
                                    optimize=dict(smart_stage=True, async_embedding=True,
-                                                 smart_stage_options=dict(capacity=2, executor="thread"))))
+                                                 smart_stage_options=dict(capacity=2, executor="thread"))),
+                strategy=ParameterServer(addresses))
     result = t.train()
     assert result["steps"] == 4 and torch.isfinite(torch.tensor(result["final_loss"]))
     remote = t.updater.remotes[0]
@@ -172,7 +174,7 @@ def test_din_on_one_parameter_server_equals_local_training(behavior, ps_pool):
     local = Trainer(TrainConfig(embedding="variable", **common))
     local.train()
     addresses, _ = ps_pool(1)
-    remote = Trainer(TrainConfig(ps_addresses=addresses, **common))
+    remote = Trainer(TrainConfig(**common), strategy=ParameterServer(addresses))
     remote.train()
     remote.updater.pull_dense()
     for name, p in local.model.named_parameters():

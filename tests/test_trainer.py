@@ -5,7 +5,8 @@ import torch
 
 from deeprec.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from deeprec.errors import ConfigError
-from deeprec.trainer import TrainConfig, Trainer, evaluate
+from deeprec.metrics import evaluate
+from deeprec.trainer import TrainConfig, Trainer
 
 
 def _cfg(data, ckpt, small_model, **kw):

@@ -22,8 +22,7 @@ from deeprec.distributed.wire import pack, unpack
 from deeprec.errors import DeepRecError, check_choice
 from deeprec.nn.variable import shard_of
 
-PROTOCOLS = ("grpc", "star_server", "star_server_lite")
-DENSE_MODES = ("ps", "allreduce")  # a worker's dense parameters: on the PSs, or replicated and all-reduced
+from deeprec.choices import DENSE_MODES, PROTOCOLS  # noqa: E402  (re-exported)
 
 
 class PSError(DeepRecError):
@@ -201,13 +200,15 @@ class PSClient:
             jobs[ps] = ({"push": push[0], "pull": pull[0]}, {**push[1], **pull[1]})
         return jobs
 
-    def export(self) -> list[dict]:
-        return [t for _, t in self._fan_out([("Export", ps, {}, {}) for ps in range(self.num_ps)])]
+    def export(self, after_version: int | None = None) -> list[dict]:
+        header = {} if after_version is None else {"after_version": int(after_version)}
+        return [t for _, t in self._fan_out([("Export", ps, header, {}) for ps in range(self.num_ps)])]
 
-    def snapshot(self) -> dict:
-        """All PSs' variables merged into one state (rows concatenated, dense from its owner)."""
+    def snapshot(self, after_version: int | None = None) -> dict:
+        """All PSs' variables merged into one state (rows concatenated, dense from its owner);
+        `after_version`: only rows updated after that optimizer step."""
         merged: dict[str, list] = {}
-        for part in self.export():
+        for part in self.export(after_version):
             for key, value in part.items():
                 merged.setdefault(key, []).append(value)
         out = {}

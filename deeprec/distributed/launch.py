@@ -24,8 +24,10 @@ import os
 import secrets
 import signal
 import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -71,11 +73,19 @@ def launch(num_ps: int | None, num_workers: int, protocol: str, train_args: list
     children: list[subprocess.Popen] = []
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
-    def forward(signum, frame):  # stop the whole job: every child gets the signal, then is reaped below
-        for proc in children:
+    def forward(signum, frame):
+        """Stop the job: the workers get the signal, finish their step and checkpoint (the PSs stay up
+        for the chief's snapshot and are stopped once the workers have exited); a second signal reaches
+        the workers too, and they exit at once. Before any worker runs, the launcher stops."""
+        workers = [p for p in children if getattr(p, "deeprec_role", "") == "worker"]
+        if not workers:
+            for proc in children:
+                if proc.poll() is None:
+                    proc.send_signal(signum)
+            raise SystemExit(128 + signum)
+        for proc in workers:
             if proc.poll() is None:
                 proc.send_signal(signum)
-        raise SystemExit(128 + signum)
 
     in_main = threading.current_thread() is threading.main_thread()
     if in_main:
@@ -137,9 +147,12 @@ def _run_workers(envs: list[dict], train_args: list[str], out, children: list, a
     `all_or_none` (collective): the first rank that fails stops the others, which would otherwise
     wait in their next collective for it (as torchrun's agent does)."""
     procs = []
+    results = tempfile.mkdtemp(prefix="deeprec-launch-")  # each worker's result JSON: the job's totals
     for i, worker_env in enumerate(envs):
-        proc = subprocess.Popen([sys.executable, "-m", "deeprec.cli", *train_args], env=worker_env,
+        proc = subprocess.Popen([sys.executable, "-m", "deeprec.cli", *train_args],
+                                env=dict(worker_env, DEEPREC_LAUNCHED="1", DEEPREC_RESULT_DIR=results),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc.deeprec_role = "worker"
         children.append(proc)
         thread = threading.Thread(target=_stream, args=(f"worker{i}", proc.stdout, out), daemon=True)
         thread.start()
@@ -166,4 +179,31 @@ def _run_workers(envs: list[dict], train_args: list[str], out, children: list, a
         time.sleep(0.05)
     failed = [codes[i] for i in sorted(codes) if codes[i] != 0]
     out.write(f"[launch] {len(codes) - len(failed)}/{len(codes)} workers succeeded\n")
+    totals = job_totals(results)
+    shutil.rmtree(results, ignore_errors=True)
+    if totals:
+        out.write(f"[launch] {totals}\n")
     return codes[first_failure] if first_failure is not None else 0
+
+
+def job_totals(folder: str) -> str | None:
+    """One line of the job's totals from the workers' result files (JSON, written by deeprec train)."""
+    results = []
+    for name in sorted(os.listdir(folder)):
+        try:
+            with open(os.path.join(folder, name)) as f:
+                results.append(json.load(f))
+        except (OSError, ValueError):
+            continue
+    if not results:
+        return None
+    rows = sum(r["rows"] for r in results)
+    seconds = max(r["seconds"] for r in results)
+    line = (f"job: {len(results)} workers, {max(r['steps'] for r in results)} steps, {rows:,} rows, "
+            f"{rows / seconds if seconds > 0 else 0.0:,.0f} samples/s in all")
+    evaluated = [r["eval"] for r in results if "eval" in r]
+    if evaluated and len(evaluated) == 1:
+        line += f", eval AUC {evaluated[0]['auc']:.4f} ({evaluated[0]['rows']:,} rows)"
+    elif evaluated:  # collective: every rank holds the whole job's metrics
+        line += f", eval AUC {evaluated[0]['auc']:.4f} ({evaluated[0]['rows']:,} rows, all ranks)"
+    return line

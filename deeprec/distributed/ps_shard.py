@@ -93,7 +93,10 @@ class PSServicer:
             s.push(push, tensors, "push.")
             return {}, s.pull(pull, tensors, "pull.")
         if method == "Export":
-            return {"shard": s.shard_index, "num_shards": s.num_shards}, s.export()
+            after = header.get("after_version")
+            if after is not None and (not isinstance(after, int) or isinstance(after, bool)):
+                raise WireError(f"Export's after_version must be an int, got {after!r}")
+            return {"shard": s.shard_index, "num_shards": s.num_shards}, s.export(after)
         if method == "Load":
             s.load(tensors)
             return {"generation": s.generation}, {}

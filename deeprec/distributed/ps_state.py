@@ -273,11 +273,16 @@ class ShardState:
                         "within %.0fs", self.shard_index, pending["count"], step, MAX_WAIT_S)
 
     # -- checkpoints -----------------------------------------------------------------------
-    def export(self) -> dict:
-        """Every row with its slots, and each optimizer's step count."""
+    def export(self, after_version: int | None = None) -> dict:
+        """Every row with its slots, and each optimizer's step count; `after_version`: only the rows
+        updated after that optimizer step (a serving delta), and the dense variables."""
         out = {}
         for name, (arena, var) in self.embeddings.items():
-            out.update({f"emb/{name}/{k}": v for k, v in arena.export(var).items()})
+            rows = arena.export(var)
+            if after_version is not None:
+                updated = rows["version"] > after_version
+                rows = {k: v[updated] if v.dim() > 0 else v for k, v in rows.items()}
+            out.update({f"emb/{name}/{k}": v for k, v in rows.items()})
             out[f"opt/{name}"] = torch.tensor(arena.optimizer.step_count)
         for name, group in self.dense.items():
             out.update(group.export(name))

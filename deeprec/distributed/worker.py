@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ from deeprec.distributed.allreduce import DenseAllReduce, rendezvous_from_env
 from deeprec.distributed.client import DENSE_MODES, PSClient
 from deeprec.errors import ConfigError, check_choice
 from deeprec.nn.collection import EmbeddingCollection, FusedLookup
+from deeprec.nn.variable import EmbeddingVariable
 from deeprec.nn.lookup import RowGather, assemble
 from deeprec.optim.dense import OptimizerGroup, torch_optimizers
 from deeprec.optim.sparse import merge_rows
@@ -117,6 +119,50 @@ class RemoteLookup(nn.Module):
         return assemble(rows, inverse, offsets, weights, masks, self.num_pooled, self.max_norm)
 
 
+class RemoteVariable(RemoteLookup):
+    """Stands in for a free EmbeddingVariable (`ev(ids)` in your own model): ids of any shape ->
+    [*ids.shape, dim] rows pulled from the PSs, gradients kept for the push."""
+
+    def __init__(self, client: PSClient, name: str, ev: EmbeddingVariable):
+        super().__init__(client, [name], SimpleNamespace(dim=ev.embedding_dim, max_norm=None, num_pooled=0))
+
+    def forward(self, ids):
+        ids = torch.as_tensor(ids)
+        keys, inverse = torch.unique(ids.reshape(-1).to(torch.int64), return_inverse=True)
+        values = self._pull([keys])
+        if self.training and torch.is_grad_enabled():
+            values = RowGather.apply(self._token, values, torch.arange(values.shape[0]), self.receive)
+        return values[inverse].reshape(*ids.shape, self.dim)
+
+
+def ps_variables(model: nn.Module) -> dict[str, EmbeddingVariable]:
+    """Every EmbeddingVariable of a one-process model under the name its rows have on the PSs: a
+    collection's feature as '<collection path>.<feature>', a free one by its module path."""
+    out, seen = {}, set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, EmbeddingCollection):
+            local = module.lookup
+            if not all(local.dynamic):
+                raise ConfigError(f"parameter-server training keeps EmbeddingVariables on the PSs: the "
+                                  f"EmbeddingCollection {prefix or 'model'!r} has fixed-size tables (zoo models: "
+                                  "--embedding variable; your own: EmbeddingFeature(num_embeddings=None))")
+            for feature, ev in zip(local.features, local.variables):
+                out[f"{prefix}.{feature.name}" if prefix else feature.name] = ev
+                seen.add(id(ev))
+    for prefix, module in model.named_modules():
+        if isinstance(module, EmbeddingVariable) and id(module) not in seen:
+            out[prefix] = module
+    return out
+
+
+def _replace_module(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    """Every reference to `old` among the submodules (a shared EmbeddingVariable may have several)."""
+    for parent in model.modules():
+        for key, child in list(parent._modules.items()):
+            if child is old:
+                parent._modules[key] = new
+
+
 class PSUpdater:
     """The Updater (deeprec.runtime.updater) of a PS worker: embedding rows and their
     optimizer live on the PSs; this worker pulls, computes gradients and pushes them.
@@ -137,18 +183,25 @@ class PSUpdater:
         self.worker_index, self.is_chief = worker_index, worker_index == 0
         client.sync_workers = sync_workers
         self.remotes: list[RemoteLookup] = []
-        embeddings, defaults = {}, {}
-        for prefix, module in model.named_modules():
-            if isinstance(module, EmbeddingCollection):
+        variables = ps_variables(model)
+        embeddings = {n: ev.embedding_dim for n, ev in variables.items()}
+        defaults = {n: ev._defaults for n, ev in variables.items()}
+        names_of = {id(ev): n for n, ev in variables.items()}
+        in_collections = {id(ev) for c in model.modules() if isinstance(c, EmbeddingCollection)
+                          for ev in c.lookup.variables}
+        for prefix, module in list(model.named_modules()):
+            if isinstance(module, EmbeddingCollection):  # the local tables are dropped
                 local = module.lookup
-                if not all(local.dynamic):
-                    raise ConfigError("parameter-server training needs EmbeddingVariables: "
-                                      "build the model with embedding='variable'")
-                names = [f"{prefix}.{f.name}" if prefix else f.name for f in local.features]
-                embeddings.update({n: local.dim for n in names})
-                defaults.update({n: ev._defaults for n, ev in zip(names, local.variables)})
-                module.lookup = RemoteLookup(client, names, local)  # the local tables are dropped
+                module.lookup = RemoteLookup(client, [names_of[id(ev)] for ev in local.variables], local)
                 self.remotes.append(module.lookup)
+            elif isinstance(module, EmbeddingVariable) and id(module) not in in_collections:  # ev(ids)
+                remote = RemoteVariable(client, names_of[id(module)], module)
+                _replace_module(model, module, remote)
+                self.remotes.append(remote)
+        if not self.remotes:
+            raise ConfigError("parameter-server training keeps embedding rows on the PSs: this model has no "
+                              "EmbeddingVariable (zoo models: --embedding variable; your own: dr.EmbeddingVariable "
+                              "or an EmbeddingCollection of them)")
         self.dense = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.dense_mode, self.allreduce, self.optimizer = dense, None, None
         self.deferred = DeferredPush()  # star_server_lite (async): rides with the next pull
@@ -234,8 +287,12 @@ class PSUpdater:
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict:
+        """The worker's dense model (its replica, or the PSs' values pulled) under "model", as a
+        one-process checkpoint holds it (deeprec.distributed.ps_strategy.one_process_state merges the
+        PSs' rows into it: evaluate and export read PS checkpoints); the chief adds every PS's rows."""
         self._flush()
-        state = {}
+        self.pull_dense()
+        state = {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()}}
         if self.dense_mode == "allreduce":  # every worker keeps its (identical) replica
             state = {"dense": {n: p.detach().clone() for n, p in self.dense.items()},
                      "dense_optimizer": self.optimizer.state_dict()}
@@ -244,6 +301,11 @@ class PSUpdater:
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        buffers = dict(self.model.named_buffers())
+        with torch.no_grad():  # running statistics (batch norm) live only in the workers' checkpoints
+            for name, value in state.get("model", {}).items():
+                if name in buffers:
+                    buffers[name].copy_(value)
         if "dense" in state:
             with torch.no_grad():
                 for name, p in self.dense.items():

@@ -13,7 +13,9 @@
     checkpoints:  updater.state_dict() / load_state_dict()   local: model + optimizer; PS: snapshot
 
 `LocalUpdater` is the single-process implementation; the parameter-server one is
-`deeprec.distributed.worker.PSUpdater`.
+`deeprec.distributed.worker.PSUpdater`, the collective one `deeprec.distributed.collective.CollectiveUpdater`
+(a LocalUpdater with a dense all-reduce before the step). Each Strategy (deeprec.runtime.strategy)
+builds its own.
 """
 from __future__ import annotations
 
@@ -80,28 +82,4 @@ class LocalUpdater:
 
 
 
-def make_updater(model: nn.Module, optimizer: str, lr: float, ps_addresses=(), protocol: str = "star_server",
-                 sync_workers: int = 1, worker_index: int = 0, num_workers: int = 1, dense: str = "allreduce",
-                 master: str | None = None, collective: bool = False, device=None,
-                 micro_batches: int = 1) -> Updater:
-    """Local training, a parameter-server worker when `ps_addresses` are given, or a rank of
-    collective training (the model's embedding lookups are then swapped for remote or sharded
-    ones: call before `optimize`). `device`: collective training places the model itself (dense
-    layers before the all-reduce starts, then this rank's shards); the others leave it to the caller."""
-    if collective:
-        from deeprec.distributed.collective import CollectiveUpdater
-
-        return CollectiveUpdater(model, optimizer, lr, worker_index, num_workers, device or torch.device("cpu"),
-                                 overlap=micro_batches == 1)  # micro-batches: all-reduce after the last backward
-    if not ps_addresses:
-        from deeprec.optim import make_optimizer
-
-        return LocalUpdater(model, make_optimizer(model, optimizer, lr))
-    from deeprec.distributed import PSClient
-    from deeprec.distributed.worker import PSUpdater
-
-    return PSUpdater(model, PSClient(list(ps_addresses), protocol), optimizer, lr, sync_workers=sync_workers,
-                     worker_index=worker_index, num_workers=num_workers, dense=dense, master=master)
-
-
-__all__ = ["Updater", "LocalUpdater", "make_updater"]
+__all__ = ["Updater", "LocalUpdater"]

@@ -1,0 +1,114 @@
+"""Collective training (a torchrun rank) as a `Strategy` (deeprec.runtime.strategy).
+
+    rank r of N ──reads its share──> CollectiveUpdater: EmbeddingCollections sharded by all-to-all,
+    dense gradients all-reduced; checkpoints per rank (rank-r-of-N/), resharded onto another N;
+    evaluation: every rank its share of the evaluation data, in lockstep, metrics all-reduced
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deeprec.errors import ConfigError
+from deeprec.runtime.strategy import Restored, Strategy
+
+
+class Collective(Strategy):
+    name = "collective"
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+
+    @property
+    def evaluates(self) -> bool:
+        return True  # every rank evaluates its share
+
+    def validate(self, cfg) -> None:
+        if cfg.embedding == "torch":
+            raise ConfigError("collective training (torchrun) shards EmbeddingCollections: --embedding torch "
+                              "(nn.Embedding) is not sharded; give --embedding table or variable")
+        if cfg.steps is None:
+            raise ConfigError("collective training (torchrun) needs --steps: every rank must take the same "
+                              "number of steps (each exchanges ids with the others)")
+        if cfg.incremental_every:
+            raise ConfigError("incremental checkpoints of collective training are not implemented: drop "
+                              "--incremental-every (full checkpoints with --checkpoint-every work)")
+        if cfg.on_nan == "skip":
+            raise ConfigError("on_nan='skip' is not supported with collective training (torchrun): every rank "
+                              "takes every step together; a non-finite step stops every rank (use on_nan='raise')")
+        if cfg.optimize.async_embedding:
+            raise ConfigError("async_embedding is not supported with collective training (torchrun): the id "
+                              "exchange is a collective every rank runs in the same order inside the step, not "
+                              "ahead of it in SmartStage; drop --async-embedding (SmartStage and --micro-batch work)")
+        if cfg.export_dir:
+            raise ConfigError("serving exports of collective training (torchrun) are not implemented: drop "
+                              "--export-dir and export the checkpoint folder with deeprec export")
+        if cfg.eval_fraction:
+            raise ConfigError("a rank reads its share of --data and cannot also hold out --eval-fraction: give "
+                              "--eval-data (every rank evaluates its share)")
+
+    def prepare(self, model: nn.Module, cfg, device: torch.device):
+        from deeprec.distributed.collective import CollectiveUpdater
+        from deeprec.nn.collection import EmbeddingCollection
+        from deeprec.nn.variable import EmbeddingVariable
+
+        in_collections = {id(ev) for c in model.modules() if isinstance(c, EmbeddingCollection)
+                          for ev in c.modules() if isinstance(ev, EmbeddingVariable)}
+        free = [n for n, m in model.named_modules() if isinstance(m, EmbeddingVariable) and id(m) not in in_collections]
+        if free:
+            raise ConfigError(f"collective training shards EmbeddingCollections; {', '.join(free)} "
+                              "is a free EmbeddingVariable, which is not sharded: put it in a dr.EmbeddingCollection "
+                              "(EmbeddingFeature(name, num_embeddings=None)), or train it on parameter servers "
+                              "(deeprec launch --ps 1 --workers N)")
+        updater = CollectiveUpdater(model, cfg.optimizer, cfg.lr, self.rank, self.world_size, device,
+                                    overlap=cfg.optimize.micro_batch_num == 1)  # micro-batches: after the last
+        self.host_tables = updater.host_tables
+        return updater
+
+    def agree(self, stop: bool) -> bool:
+        """Every rank stops after the same step: one small all-reduce (MAX) per step."""
+        import torch.distributed as dist
+
+        from deeprec.distributed.collective import _default_group_device
+
+        flag = torch.tensor([int(stop)], device=_default_group_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def train_shards(self) -> dict:
+        return {"shard_index": self.rank, "num_shards": self.world_size}
+
+    def eval_shards(self) -> dict:
+        return self.train_shards()
+
+    def checkpoint_dir(self, base: str) -> str:
+        from deeprec.distributed.reshard import rank_dir
+
+        return rank_dir(base, self.rank, self.world_size)
+
+    def restore(self, base: str, train_reader) -> Restored:
+        """The newest step all ranks of one world size saved, resharded onto this one."""
+        from deeprec.distributed.reshard import restore_collective
+
+        found = restore_collective(base, self.rank, self.world_size)
+        if found is None:
+            return Restored()
+        state, paths, same_world, skipped = found
+        restored = Restored(states=[(paths[0], state)], skipped=skipped, reader=state.get("reader"))
+        if not same_world:  # a K-way reader position means nothing N-way
+            restored.reader = {"epoch": state["reader_epoch"], "batches": 0,
+                               "fingerprint": train_reader.state_dict()["fingerprint"]}
+            restored.note = (f"resharded {len(paths)} ranks' checkpoints onto {self.world_size} ranks; the readers "
+                             f"restart at the start of epoch {restored.reader['epoch']}")
+        return restored
+
+    def evaluate(self, model: nn.Module, batches) -> dict:
+        from deeprec.distributed.collective import evaluate_sharded
+
+        return evaluate_sharded(model, batches)
+
+    def summary(self, model: nn.Module, updater) -> dict:
+        return {**super().summary(model, updater), "communication": updater.traffic()}
+
+
+__all__ = ["Collective"]

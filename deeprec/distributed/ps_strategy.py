@@ -1,0 +1,136 @@
+"""Training on parameter servers, as a `Strategy` (deeprec.runtime.strategy).
+
+    worker i of N ──reads its share of the data──> PSUpdater: EmbeddingVariables (in collections or
+    your own ev(ids)) become PS variables; dense layers replicated and all-reduced, or on the PSs
+    checkpoints: the chief's folder holds every PS's rows and the dense model; worker i's in worker-i/
+    exports while training: the chief keeps a one-process twin of the model; each export copies the
+    dense weights into it and pulls the rows the PSs updated since the last export
+
+A PS checkpoint reads back as a one-process model (`one_process_state`), so `deeprec evaluate`
+and `deeprec export` take it like any other.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from deeprec.errors import ConfigError
+from deeprec.runtime.strategy import Strategy
+
+
+class ParameterServer(Strategy):
+    name = "parameter_server"
+
+    def __init__(self, ps_addresses: list[str], worker_index: int = 0, num_workers: int = 1,
+                 master: str | None = None):
+        if not ps_addresses:
+            raise ConfigError("a parameter-server worker needs the PS addresses (TF_CONFIG's ps job)")
+        self.ps_addresses, self.master = list(ps_addresses), master
+        self.rank, self.world_size = worker_index, num_workers
+
+    def validate(self, cfg) -> None:
+        if cfg.incremental_every:
+            raise ConfigError("incremental checkpoints of parameter-server training are not implemented: drop "
+                              "--incremental-every (full checkpoints with --checkpoint-every work)")
+        if cfg.embedding not in (None, "variable"):
+            raise ConfigError("parameter-server training keeps embeddings as EmbeddingVariables: "
+                              f"--embedding {cfg.embedding} is not supported there; drop it or give variable")
+        if cfg.device != "cpu":
+            raise ConfigError("parameter-server training runs on the CPU here: --device cuda/auto is for local and "
+                              "collective (torchrun) training")
+        if cfg.storage != "dram":
+            raise ConfigError("--storage ssd tiers EmbeddingVariables of local training; a PS shard tiers its rows "
+                              "itself: python -m deeprec.distributed --storage ssd --dram-bytes N")
+        if cfg.optimize.async_embedding and cfg.sync:
+            raise ConfigError("sync training reads each step's rows after the previous update; async_embedding "
+                              "reads them earlier: choose one")
+        if self.world_size > 1 and cfg.eval_fraction:
+            raise ConfigError("a worker of several reads its share of --data and cannot also hold out "
+                              "--eval-fraction: give --eval-data (the chief evaluates it)")
+
+    def model_overrides(self, cfg) -> dict:
+        return {"embedding": "variable"}  # a zoo model's tables as EmbeddingVariables
+
+    def prepare(self, model: nn.Module, cfg, device: torch.device):
+        from deeprec.distributed import PSClient
+        from deeprec.distributed.worker import PSUpdater
+
+        self.twin = copy.deepcopy(model) if cfg.export_dir and self.is_chief else None  # before the swap
+        self.host_tables = []
+        return PSUpdater(model, PSClient(self.ps_addresses, cfg.protocol), cfg.optimizer, cfg.lr,
+                         sync_workers=self.world_size if cfg.sync else 1, worker_index=self.rank,
+                         num_workers=self.world_size, dense=cfg.dense, master=self.master)
+
+    def checkpoint_dir(self, base: str) -> str:
+        import os
+
+        return base if self.is_chief else os.path.join(base, f"worker-{self.rank}")
+
+    def export_writer(self, directory: str, model: nn.Module, schema, spec: str, updater):
+        from deeprec.serving.online import ExportWriter
+
+        return PSExportWriter(ExportWriter(directory, self.twin, schema, spec), model, updater)
+
+
+class PSExportWriter:
+    """Full exports and deltas of a PS-trained model, from the chief: the twin (a one-process copy
+    of the model) gets the trained dense weights and the rows the PSs updated since its last sync."""
+
+    def __init__(self, writer, model: nn.Module, updater):
+        self.writer, self.model, self.updater = writer, model, updater
+        self.synced_version = -1  # PS row versions (optimizer steps) already in the twin
+
+    @property
+    def last_step(self):
+        return self.writer.last_step
+
+    def _sync(self) -> None:
+        from deeprec.distributed.worker import ps_variables
+
+        self.updater.prepare_eval()  # a held push sent, dense parameters pulled (dense="ps")
+        twin = self.writer.model
+        dense = {k: v for k, v in self.model.state_dict().items()}
+        twin.load_state_dict(dense, strict=False)
+        snapshot = self.updater.client.snapshot(after_version=self.synced_version)
+        for name, ev in ps_variables(twin).items():
+            prefix = f"emb/{name}/"
+            rows = {k[len(prefix):]: v for k, v in snapshot.items() if k.startswith(prefix)}
+            if rows:
+                ev.load({**rows, "incremental": torch.tensor(True)})
+                self.synced_version = max(self.synced_version, int(rows["global_step"]))
+
+    def full(self, step: int) -> str:
+        self._sync()
+        return self.writer.full(step)
+
+    def delta(self, step: int) -> str:
+        self._sync()
+        return self.writer.delta(step)
+
+
+def one_process_state(model: nn.Module, state: dict) -> dict:
+    """A PS chief's checkpoint as the state dict of the one-process `model` (built as trained,
+    before any swap): the dense model the worker saved, every EmbeddingVariable's rows from the PSs."""
+    from deeprec.distributed.worker import ps_variables
+
+    out = dict(state.get("model") or {})
+    snapshot = state["ps"]
+    if "dense" in state:  # replicas of dense="allreduce" (older checkpoints hold no "model")
+        out.update(state["dense"])
+    out.update({k[len("dense/"):]: v for k, v in snapshot.items() if k.startswith("dense/")})  # dense="ps"
+    path_of = {id(m): p for p, m in model.named_modules()}
+    for name, ev in ps_variables(model).items():
+        prefix = f"emb/{name}/"
+        rows = {k[len(prefix):]: v for k, v in snapshot.items() if k.startswith(prefix)}
+        if not rows:
+            raise ConfigError(f"the PS checkpoint holds no rows of {name!r}: was it written by this model?")
+        out.update({f"{path_of[id(ev)]}.{k}": v for k, v in rows.items()})
+    for name, value in model.state_dict().items():  # shapes as the model's (dense="ps" keeps flat views)
+        if name in out and out[name].numel() == value.numel() and out[name].shape != value.shape:
+            out[name] = out[name].reshape(value.shape)
+    return out
+
+
+__all__ = ["ParameterServer", "PSExportWriter", "one_process_state"]

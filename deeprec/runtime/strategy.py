@@ -1,0 +1,144 @@
+"""A `Strategy` per way of training: everything that differs between training in this
+process, on parameter servers and collectively, so the trainer names no mode.
+
+    Trainer                              Strategy
+    ───────                              ────────
+    cfg ───────────────────────────────> validate(cfg)            its own options' rules
+    model over the data's schema ──────> model_overrides(cfg)     e.g. PS: EmbeddingVariables
+                                         prepare(model, cfg, dev) lookup swaps, placement -> Updater
+    readers ───────────────────────────> train_shards / eval_shards (this process's share)
+    checkpoints ───────────────────────> checkpoint_dir(base), restore(base, ...)
+    evaluation ────────────────────────> evaluate(model, batches) (distributed or not)
+    serving exports while training ────> export_writer(...)
+    the run's summary ─────────────────> summary()                (traffic, tier stats)
+
+`LocalStrategy` is training in this process; `deeprec.distributed.ps_strategy.ParameterServer`
+and `deeprec.distributed.collective_strategy.Collective` are the other two. The base class owns
+what they share (the checkpoint chain, one-process evaluation); a subclass fills in its parts.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from deeprec.checkpoint import checkpoint_step, list_checkpoints, load_checkpoint
+from deeprec.errors import CheckpointError, ConfigError
+from deeprec.runtime.updater import LocalUpdater, Updater
+
+
+@dataclass
+class Restored:
+    """What a restore found: the states to load in order ([(path, state)]), the problems skipped,
+    the reader position to continue from, and a line for the user (resharding)."""
+
+    states: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)
+    reader: dict | None = None
+    note: str | None = None
+
+
+class Strategy(abc.ABC):
+    name: str = "local"
+    rank: int = 0  # this process's share of the data
+    world_size: int = 1
+
+    @property
+    def is_chief(self) -> bool:
+        """Writes the checkpoint of shared state, the exports and the summary."""
+        return self.rank == 0
+
+    @property
+    def evaluates(self) -> bool:
+        return self.is_chief
+
+    def validate(self, cfg) -> None:
+        """Refuse the options this way of training does not support, naming the flag."""
+        if cfg.optimize.async_embedding:
+            raise ConfigError("async_embedding pulls embedding rows from the parameter servers in the "
+                              "SmartStage prefetch: it needs a parameter-server job (deeprec launch ... -- train)")
+
+    def model_overrides(self, cfg) -> dict:
+        return {}
+
+    @abc.abstractmethod
+    def prepare(self, model: nn.Module, cfg, device: torch.device) -> Updater:
+        """Swap what this way of training swaps, place the model; the Updater. `self.host_tables`:
+        the lookups left on the host."""
+
+    def train_shards(self) -> dict:
+        return {"shard_index": self.rank, "num_shards": self.world_size} if self.world_size > 1 else {}
+
+    def eval_shards(self) -> dict:
+        return {}  # the chief evaluates the whole evaluation data
+
+    def agree(self, stop: bool) -> bool:
+        """Whether the run stops after this step, given this process's wish (a signal). Processes that
+        step together (collective training) must agree, or one would wait for the others forever."""
+        return stop
+
+    # -- checkpoints -----------------------------------------------------------------
+    def checkpoint_dir(self, base: str) -> str:
+        return base
+
+    def restore(self, base: str, train_reader) -> Restored:
+        """The newest intact full checkpoint, then the intact incremental ones after it, in order;
+        a corrupt or incomplete one is skipped (and named)."""
+        directory = self.checkpoint_dir(base)
+        fulls, found = list_checkpoints(directory), Restored()
+        base_step = None
+        for path in reversed(fulls):
+            try:
+                found.states, base_step = [(path, load_checkpoint(path))], checkpoint_step(path)
+                break
+            except CheckpointError as err:
+                found.skipped.append(err)
+        if fulls and base_step is None:
+            raise CheckpointError(f"no intact full checkpoint: {'; '.join(map(str, found.skipped))}", directory)
+        for path in list_checkpoints(directory, "incremental"):
+            if base_step is not None and checkpoint_step(path) <= base_step:
+                continue
+            try:
+                found.states.append((path, load_checkpoint(path)))
+            except CheckpointError as err:  # the later ones build on this one: stop here
+                found.skipped.append(err)
+                break
+        found.reader = found.states[-1][1]["reader"] if found.states else None
+        return found
+
+    # -- evaluation, exports, summary ---------------------------------------------------
+    def evaluate(self, model: nn.Module, batches) -> dict:
+        from deeprec.metrics import evaluate
+
+        return evaluate(model, batches)
+
+    def export_writer(self, directory: str, model: nn.Module, schema, spec: str, updater: Updater):
+        """Writes full exports and deltas of the trained model while it trains (the chief's)."""
+        from deeprec.serving.online import ExportWriter
+
+        return ExportWriter(directory, model, schema, spec)
+
+    def summary(self, model: nn.Module, updater: Updater) -> dict:
+        """This way of training's lines of the run's result."""
+        from deeprec.nn.tiered import tier_summary
+
+        tiers = tier_summary(model)
+        return {} if tiers is None else {"tiers": tiers}
+
+
+class LocalStrategy(Strategy):
+    """Every parameter in this process: torch.optim for dense ones, row-sparse optimizers attached
+    to the embeddings."""
+
+    def prepare(self, model: nn.Module, cfg, device: torch.device) -> Updater:
+        from deeprec.optim import make_optimizer
+        from deeprec.runtime.device import place_model
+
+        updater = LocalUpdater(model, make_optimizer(model, cfg.optimizer, cfg.lr))
+        self.host_tables = place_model(model, device)  # after the optimizer: its slots move with the tables
+        return updater
+
+
+__all__ = ["Strategy", "LocalStrategy", "Restored"]
