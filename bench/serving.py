@@ -78,13 +78,12 @@ async def throughput(url: str, rows: dict, batch: int, clients: int, requests: i
 
 def delta_apply_seconds(path: str, rows: int = 100_000, repeats: int = 3) -> dict:
     """Time to apply a delta of `rows` EmbeddingVariable rows (new keys) plus the dense weights."""
-    import json
-
     import torch
     from safetensors.torch import save_file
 
     import deeprec as dr
-    from deeprec.serving.export import FORMAT, _sha256
+    from deeprec.atomic import write_with_manifest
+    from deeprec.serving.export import FORMAT
     from deeprec.serving.online import apply_delta
 
     served = dr.serving.load(path)
@@ -98,10 +97,9 @@ def delta_apply_seconds(path: str, rows: int = 100_000, repeats: int = 3) -> dic
     tensors.update({k: v.clone() for k, v in served.module.state_dict().items()
                     if not k.endswith((".sorted_keys", ".values", ".missing_value"))})
     folder = os.path.dirname(path)
-    save_file(tensors, os.path.join(folder, "delta.safetensors"))
-    with open(os.path.join(folder, "delta.json"), "w") as f:
-        json.dump({"format": FORMAT, "step": served.step + 1, "after": served.step, "variables": variables,
-                   "sha256": _sha256(os.path.join(folder, "delta.safetensors"))}, f)
+    write_with_manifest(os.path.join(folder, "delta.safetensors"), os.path.join(folder, "delta.json"),
+                        lambda tmp: save_file(tensors, tmp),
+                        {"format": FORMAT, "step": served.step + 1, "after": served.step, "variables": variables})
     times = []
     for _ in range(repeats):
         start = time.perf_counter()

@@ -3,7 +3,7 @@
     checkpoint-<step>.pt              the payload (torch.save of tensors and plain containers)
     checkpoint-<step>.manifest.json   {"format", "kind", "step", "bytes", "sha256"} of the payload
 
-Both are written to temporary files, fsynced, then renamed into place, the payload
+Both are written by deeprec.atomic (temporary file, fsync, rename, fsync of the folder), the payload
 first: a checkpoint counts only once its manifest is there, so a crash mid-write
 leaves the previous checkpoints intact and at most a payload without a manifest
 (reported and skipped by resume). Loading checks size and sha256 before unpickling
@@ -18,14 +18,15 @@ import json
 import logging
 import os
 import re
-import tempfile
 
 import torch
 
+from deeprec.atomic import write_with_manifest
 from deeprec.errors import CheckpointError
 
 FORMAT = 1
 _NAME = re.compile(r"^(checkpoint|incremental)-(\d+)\.pt$")
+TEMP_PREFIX = ".checkpoint-"  # remove_stale_temporaries sweeps these
 _TEMP = re.compile(r"^\.checkpoint-.*\.tmp$")
 log = logging.getLogger("deeprec.checkpoint")
 
@@ -34,37 +35,16 @@ def manifest_path(path: str) -> str:
     return path[: -len(".pt")] + ".manifest.json"
 
 
-def _write_atomic(directory: str, path: str, write) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def save_checkpoint(directory: str, step: int, state: dict, keep: int = 3, kind: str = "checkpoint") -> str:
     """kind "checkpoint": a full save (older incremental ones become obsolete and are
     removed); kind "incremental": the rows touched since the last full save."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"{kind}-{step:09d}.pt")
     buffer = io.BytesIO()
-    torch.save(state, buffer)
+    torch.save(state, buffer)  # serialized first: a state that fails to pickle leaves no file
     payload = buffer.getbuffer()
-    manifest = {"format": FORMAT, "kind": kind, "step": step, "bytes": len(payload),
-                "sha256": hashlib.sha256(payload).hexdigest()}
-    _write_atomic(directory, path, lambda f: f.write(payload))
-    _write_atomic(directory, manifest_path(path), lambda f: f.write(json.dumps(manifest).encode()))
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the renames themselves durable
-    finally:
-        os.close(dir_fd)
+    write_with_manifest(path, manifest_path(path), payload, {"format": FORMAT, "kind": kind, "step": step},
+                        prefix=TEMP_PREFIX)
     if kind == "checkpoint":
         for old in list_checkpoints(directory)[:-keep]:
             _remove(old)

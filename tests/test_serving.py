@@ -72,6 +72,8 @@ def test_json_rows_score_as_the_reader_batch(dlrm_export):
     rows = _json_rows(data, trainer.schema, 9)
     batch = next(iter(open_reader([data], 9, schema=trainer.schema)))
     assert torch.equal(served(json.loads(json.dumps(rows))), served(batch))
+    one = next(iter(open_reader([data], 1, schema=trainer.schema)))  # rows counted from a Ragged or a tensor
+    assert served(one).shape[0] == 1 and torch.equal(served(one), served(batch)[:1])
 
 
 def test_bad_requests_name_the_field(dlrm_export):
@@ -86,6 +88,8 @@ def test_bad_requests_name_the_field(dlrm_export):
         served({**rows, "I2": ["x", "y"]})
     with pytest.raises(RequestError, match="field 'nope' is not a column"):
         served({**rows, "nope": [1, 2]})
+    with pytest.raises(RequestError, match="empty batch: no column holds rows"):
+        served({})
 
 
 def test_a_corrupt_export_is_refused_naming_the_file(dlrm_export, tmp_path):

@@ -14,10 +14,12 @@ import pyarrow as pa
 import torch
 from safetensors.torch import load_file
 
+from deeprec.atomic import sha256_file
 from deeprec.data.collate import collate
 from deeprec.data.schema import schema_from_dict
-from deeprec.errors import DeepRecError
-from deeprec.serving.export import FORMAT, MANIFEST, PROGRAM, TABLES, _sha256, export
+from deeprec.errors import ConfigError, DeepRecError
+from deeprec.runtime.micro_batch import batch_rows  # one definition of a raw batch's rows
+from deeprec.serving.export import FORMAT, MANIFEST, PROGRAM, TABLES, export
 
 
 class ServingError(DeepRecError):
@@ -42,7 +44,7 @@ class ServedModel:
             raise ServingError(f"{manifest_path}: format {self.manifest.get('format')!r}, this deeprec reads {FORMAT}")
         for name in (PROGRAM, TABLES):
             file = os.path.join(path, name)
-            if not os.path.exists(file) or _sha256(file) != self.manifest["sha256"][name]:
+            if not os.path.exists(file) or sha256_file(file) != self.manifest["sha256"][name]:
                 raise ServingError(f"{file}: missing or corrupt (its sha256 differs from the manifest)")
         self.path, self.step = path, int(self.manifest["step"])
         self.schema = schema_from_dict(self.manifest["schema"])
@@ -92,7 +94,10 @@ class ServedModel:
         if _is_json(batch):
             batch = self.batch(batch)
         batch = dict(batch)
-        rows = batch_rows(batch)
+        try:
+            rows = batch_rows(batch)
+        except ConfigError:  # the runtime's wording is about splitting; a caller here sent no column
+            raise RequestError("empty batch: no column holds rows (a tensor or Ragged per column)") from None
         for name in self.labels:  # the program takes every column; labels only feed the unused loss
             batch.setdefault(name, torch.zeros(rows))
         batch = {c.name: batch[c.name] for c in self.schema.columns if c.kind != "ignore"}
@@ -120,16 +125,6 @@ def load(path: str, upto_step: int | None = None) -> ServedModel:
 
 def _is_json(batch: dict) -> bool:
     return any(isinstance(v, list) for v in batch.values())
-
-
-def batch_rows(batch: dict) -> int:
-    """Rows of a raw batch (its first column's)."""
-    for value in batch.values():
-        if isinstance(value, torch.Tensor):
-            return value.shape[0]
-        if hasattr(value, "rows"):
-            return value.rows
-    raise RequestError("empty batch")
 
 
 def _arrow_column(c, values: list) -> pa.Array:

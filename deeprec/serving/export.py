@@ -13,7 +13,6 @@ serving pads a 1-row request to 2 rows, as torch.export specializes sizes 0 and 
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 import shutil
@@ -26,6 +25,7 @@ from torch.export import Dim, ShapesCollection
 from torch.utils._pytree import tree_leaves
 
 import deeprec
+from deeprec.atomic import replace_dir, sha256_file
 from deeprec.data.schema import Schema, schema_to_dict
 from deeprec.serving.frozen import freeze_variables
 
@@ -61,14 +61,6 @@ def _dynamic_shapes(batch: dict) -> ShapesCollection:
     return shapes
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def export(model: torch.nn.Module, path: str, *, schema: Schema | None = None, model_name: str | None = None,
            step: int = 0) -> str:
     """Write a self-contained serving export of `model` to the folder `path` (replaced atomically).
@@ -84,22 +76,20 @@ def export(model: torch.nn.Module, path: str, *, schema: Schema | None = None, m
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".export-", dir=parent)
-    torch.export.save(program, os.path.join(staging, PROGRAM))
-    weights = {k: v.detach().contiguous() for k, v in program.state_dict.items()}
-    save_file(weights, os.path.join(staging, TABLES))
-    manifest = {"format": FORMAT, "model": model_name or type(model).__name__.lower(), "step": int(step),
-                "schema": schema_to_dict(schema), "labels": list(getattr(model, "label_columns", ("label",))),
-                "inputs": sorted(batch), "deeprec": deeprec.__version__, "torch": torch.__version__,
-                "sha256": {name: _sha256(os.path.join(staging, name)) for name in (PROGRAM, TABLES)}}
-    with open(os.path.join(staging, MANIFEST), "w") as f:
-        json.dump(manifest, f, indent=1)
-    if os.path.isdir(path):  # replace an older export: rename aside, then in, then drop the old one
-        old = path.rstrip("/") + f".old-{os.getpid()}"
-        os.replace(path, old)
-        os.replace(staging, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staging, path)
+    try:
+        torch.export.save(program, os.path.join(staging, PROGRAM))
+        weights = {k: v.detach().contiguous() for k, v in program.state_dict.items()}
+        save_file(weights, os.path.join(staging, TABLES))
+        manifest = {"format": FORMAT, "model": model_name or type(model).__name__.lower(), "step": int(step),
+                    "schema": schema_to_dict(schema), "labels": list(getattr(model, "label_columns", ("label",))),
+                    "inputs": sorted(batch), "deeprec": deeprec.__version__, "torch": torch.__version__,
+                    "sha256": {name: sha256_file(os.path.join(staging, name)) for name in (PROGRAM, TABLES)}}
+        with open(os.path.join(staging, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=1)
+        replace_dir(staging, path)  # every file fsynced, then renamed in (an older export aside, then dropped)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # a failed export leaves neither a half folder nor the staging
+        raise
     return path
 
 

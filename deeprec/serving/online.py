@@ -4,10 +4,10 @@
       full-<step>/                       a full export (deeprec.serving.export)
       delta-<step>.safetensors           EmbeddingVariable rows updated since the previous export
                                          ("<module path>.keys" / ".values") + every dense weight
-      delta-<step>.json                  {"format", "step", "after": previous export's step, "sha256"}
+      delta-<step>.json                  {"format", "step", "after": previous export's step, "bytes", "sha256"}
 
 The trainer writes them (`--export-dir D --export-every N --export-incremental-every M`), each
-atomically (temporary name, then rename; a delta's .json comes last and makes it visible).
+atomically (deeprec.atomic: temporary name, fsync, rename; a delta's .json comes last and makes it visible).
 `deeprec serve D` loads the newest full export plus its chain of deltas and, while it runs,
 applies new deltas (or a newer full export) on a copy of the model, then swaps it in between
 two batches: a request is never scored by a half-applied model.
@@ -25,7 +25,8 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
-from deeprec.serving.export import FORMAT, _sha256, export
+from deeprec.atomic import sha256_file, write_with_manifest
+from deeprec.serving.export import FORMAT, export
 from deeprec.serving.frozen import merged
 
 _FULL = re.compile(r"^full-(\d+)$")
@@ -76,20 +77,12 @@ class ExportWriter:
         for name, t in [*self.model.named_parameters(), *self.model.named_buffers()]:
             tensors[name] = t.detach().clone().contiguous()
         base = os.path.join(self.directory, f"delta-{step:09d}")
-        _save_atomic(lambda tmp: save_file(tensors, tmp), base + ".safetensors", self.directory)
-        manifest = {"format": FORMAT, "step": step, "after": self.last_step, "variables": sorted(variables),
-                    "rows": sum(int(tensors[f"{n}.keys"].numel()) for n in variables),
-                    "sha256": _sha256(base + ".safetensors")}
-        _save_atomic(lambda tmp: open(tmp, "w").write(json.dumps(manifest)), base + ".json", self.directory)
+        write_with_manifest(base + ".safetensors", base + ".json", lambda tmp: save_file(tensors, tmp),
+                            {"format": FORMAT, "step": step, "after": self.last_step, "variables": sorted(variables),
+                             "rows": sum(int(tensors[f"{n}.keys"].numel()) for n in variables)})
         self._mark()
         self.last_step = step
         return base + ".safetensors"
-
-
-def _save_atomic(write, path: str, directory: str) -> None:
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
 
 
 def apply_delta(served, path: str):
@@ -99,7 +92,7 @@ def apply_delta(served, path: str):
     with open(path) as f:
         manifest = json.load(f)
     tensors_path = path[: -len(".json")] + ".safetensors"
-    if _sha256(tensors_path) != manifest["sha256"]:
+    if sha256_file(tensors_path) != manifest["sha256"]:
         raise ServingError(f"{tensors_path}: corrupt (its sha256 differs from {path})")
     if manifest["after"] != served.step:
         raise ServingError(f"{path} follows step {manifest['after']}, the model served is at step {served.step}")
