@@ -42,6 +42,17 @@ class ConfigError(DeepRecError, ValueError):
     """An option with a value outside its allowed set or range."""
 
 
+class EmptyShardError(ConfigError):
+    """A reader's shard(s) own no rows of files that do hold rows: more shards than the data can
+    be cut into. ``paths``, ``shard_index``, ``num_shards`` say which; ``max_shards`` is how many
+    shards the data gives (exact for Parquet: its row groups; an estimate for text files)."""
+
+    def __init__(self, message: str, *, paths, shard_index, num_shards: int, max_shards: int):
+        super().__init__(message)
+        self.paths, self.shard_index, self.num_shards, self.max_shards = list(paths), shard_index, num_shards, max_shards
+        self.reason = message
+
+
 def check_choice(option: str, value, allowed) -> None:
     """Raise ConfigError naming the option and its allowed values."""
     if value not in allowed:

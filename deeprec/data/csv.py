@@ -136,6 +136,7 @@ class CsvReader(BatchReader):
         self.schema = schema
         self.chunk_bytes = chunk_bytes
         self._layouts = {p: detect_layout(p, schema) for p in self.paths}
+        self.check_nonempty()
 
     def _all_units(self) -> list:
         # Each file is cut into num_shards byte ranges; range k is unit k of the file,
@@ -148,6 +149,32 @@ class CsvReader(BatchReader):
             bounds = [layout.data_start + body * k // self.num_shards for k in range(self.num_shards + 1)]
             units.extend((path, bounds[k], bounds[k + 1]) for k in range(self.num_shards))
         return units
+
+    def _unit_has_rows(self, unit) -> bool:
+        """Whether a line begins in the byte range (reads one line, as iter_line_chunks does)."""
+        path, start, end = unit
+        data_start = self._layouts[path].data_start
+        pos = max(start, data_start)
+        if pos > data_start and pos < end:
+            with open(path, "rb") as f:
+                f.seek(pos - 1)
+                pos = pos - 1 + len(f.readline())
+        return pos < end
+
+    def _capacity(self) -> tuple[int, str]:
+        # estimated from each file's first row: a byte range at least a row long starts a row
+        best, row_bytes = 0, 0
+        for path in self.paths:
+            start = self._layouts[path].data_start
+            with open(path, "rb") as f:
+                f.seek(start)
+                first = len(f.readline())
+            if first:
+                body = os.path.getsize(path) - start
+                if body // first >= best:
+                    best, row_bytes = body // first, first
+        return best, (f"text files are cut into byte ranges and a row is about {row_bytes} bytes, so the data "
+                      f"gives about {best} shard(s)")
 
     def _read_unit(self, unit) -> Iterator[pa.Table]:
         path, start, end = unit

@@ -43,9 +43,20 @@ class ParquetReader(BatchReader):
             starts = np.concatenate([[0], np.cumsum([meta.row_group(i).num_rows
                                                      for i in range(meta.num_row_groups)])])
             self._row_groups[path] = starts
+        self.check_nonempty()
 
     def _all_units(self) -> list:
         return [(path, group) for path in self.paths for group in range(len(self._row_groups[path]) - 1)]
+
+    def _unit_has_rows(self, unit) -> bool:
+        path, group = unit
+        return bool(self._row_groups[path][group + 1] > self._row_groups[path][group])
+
+    def _capacity(self) -> tuple[int, str]:
+        groups = sum(map(self._unit_has_rows, self._all_units()))
+        where = "the file has" if len(self.paths) == 1 else "the files have"
+        return groups, (f"Parquet is sharded by row group and {where} {groups} row group(s) with rows, so it gives "
+                        f"at most {groups} shard(s) (write smaller row groups for more)")
 
     def _read_unit(self, unit) -> Iterator[pa.Table]:
         path, group = unit

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import torch.utils.data
 
-from deeprec.errors import ConfigError, DataError, check_choice
+from deeprec.errors import ConfigError, DataError, EmptyShardError, check_choice
 
 log = logging.getLogger("deeprec.data")
 
@@ -93,6 +93,35 @@ class BatchReader(torch.utils.data.IterableDataset):
     def _read_unit(self, unit) -> Iterator[pa.Table]:
         """Valid rows of one unit as tables with columns `self.columns.names`."""
         raise NotImplementedError
+
+    def _unit_has_rows(self, unit) -> bool:
+        """Whether a unit holds any row, from metadata or a few bytes (True when unknown)."""
+        return True
+
+    def _capacity(self) -> tuple[int, str]:
+        """How many shards the files can be cut into, and a sentence saying why (EmptyShardError)."""
+        units = sum(map(self._unit_has_rows, self._all_units()))
+        return units, f"the data has {units} unit(s) with rows, one per shard"
+
+    # -- early checks -------------------------------------------------------------
+    def check_nonempty(self) -> None:
+        """Raise EmptyShardError when this reader's shards own no rows while the files hold some
+        (more shards than the data can be cut into), before anything trains on the other shards.
+        Cheap: Parquet metadata, one line per text byte range. Files with no rows at all are left
+        to iteration, which names them ("no data rows")."""
+        if self.num_shards == 1:
+            return
+        units = self._all_units()
+        if any(self._unit_has_rows(u) for i, u in enumerate(units) if i % self.num_shards in self.shards):
+            return
+        if not any(self._unit_has_rows(u) for u in units):
+            return
+        capacity, why = self._capacity()
+        shard = (f"shard {self.shard_index} of {self.num_shards} holds" if isinstance(self.shard_index, int)
+                 else f"shards {', '.join(map(str, self.shards))} of {self.num_shards} hold")
+        raise EmptyShardError(f"{', '.join(self.paths)}: {shard} no rows: {why}; use num_shards <= "
+                              f"{max(capacity, 1)} or more files", paths=self.paths, shard_index=self.shard_index,
+                              num_shards=self.num_shards, max_shards=capacity)
 
     # -- bad rows -------------------------------------------------------------
     def _report(self, path: str, problems: list) -> None:
