@@ -123,7 +123,7 @@ def _rank_console(strategy) -> Console:
 
     class RankConsole(Console):
         def print(self, *objects, **kwargs):
-            super().print(f"[rank {strategy.rank}]", *objects, **kwargs)
+            super().print(escape(f"[rank {strategy.rank}]"), *objects, **kwargs)
 
     return RankConsole(stderr=True)
 
@@ -146,8 +146,10 @@ def cmd_train(args, console: Console) -> int:
     if strategy.is_chief:  # one summary per job
         Console().print(summary_table(cfg, result))
     else:
+        evaluated = (f", eval AUC {result['eval']['auc']:.4f} on {result['eval']['rows']:,} eval rows"
+                     if "eval" in result else "")
         console.print(f"rank {strategy.rank} finished: {result['steps']} steps, {result['rows']:,} rows, "
-                      f"{result['samples_per_s']:,.0f} samples/s (rank 0 prints the summary)")
+                      f"{result['samples_per_s']:,.0f} samples/s{evaluated} (rank 0 prints the summary)")
     return 0
 
 
@@ -174,6 +176,9 @@ def summary_table(cfg, result: dict) -> Table:
     table.add_row("steps", str(result["steps"]))
     table.add_row("samples/s", f"{result['samples_per_s']:,.0f}" +
                   (f" (this rank of {result['world_size']})" if result.get("world_size", 1) > 1 else ""))
+    if "job" in result:
+        job = result["job"]
+        table.add_row("job samples/s", f"{job['samples_per_s']:,.0f} ({job['ranks']} ranks, {job['rows']:,} rows)")
     table.add_row("final train loss", f"{result['final_loss']:.4f}")
     if "auto" in result:
         table.add_row("smart stage auto", result["auto"])

@@ -392,7 +392,7 @@ class Trainer:
         if self.device.type != "cpu":
             result["device"] = str(self.device)
             result["tables_on_host"] = self.strategy.host_tables
-        result.update(self.strategy.summary(self.model, self.updater))
+        result.update(self.strategy.summary(self.model, self.updater, result))
         if self.malloc_note:
             result["malloc"] = self.malloc_note
         if self.fast.bf16_note:

@@ -107,8 +107,19 @@ class Collective(Strategy):
 
         return evaluate_sharded(model, batches)
 
-    def summary(self, model: nn.Module, updater) -> dict:
-        return {**super().summary(model, updater), "communication": updater.traffic()}
+    def summary(self, model: nn.Module, updater, result: dict) -> dict:
+        """Communication per step, and the job's totals (every rank's rows; the slowest rank's time)."""
+        import torch.distributed as dist
+
+        from deeprec.distributed.collective import _default_group_device
+
+        rows = torch.tensor([float(result["rows"])], dtype=torch.float64, device=_default_group_device())
+        seconds = torch.tensor([float(result["seconds"])], dtype=torch.float64, device=_default_group_device())
+        dist.all_reduce(rows)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        job = {"ranks": self.world_size, "rows": int(rows.item()),
+               "samples_per_s": rows.item() / seconds.item() if seconds.item() > 0 else 0.0}
+        return {**super().summary(model, updater, result), "communication": updater.traffic(), "job": job}
 
 
 __all__ = ["Collective"]

@@ -171,9 +171,9 @@ def _run_workers(envs: list[dict], train_args: list[str], out, children: list, a
                 if all_or_none:
                     out.write("[launch] stopping the other ranks: a collective job needs every rank "
                               "(restart it with --resume)\n")
-                    for other, _ in procs:
-                        if other.poll() is None:
-                            other.terminate()
+                    for other, _ in procs:  # killed: their step waits for the failed rank and never ends,
+                        if other.poll() is None:  # so SIGTERM's finish-the-step-and-checkpoint cannot apply
+                            other.kill()
             elif codes[i] != 0 and not all_or_none:
                 out.write(f"[launch] worker{i} failed with exit code {codes[i]}\n")
         time.sleep(0.05)

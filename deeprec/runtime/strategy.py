@@ -120,8 +120,8 @@ class Strategy(abc.ABC):
 
         return ExportWriter(directory, model, schema, spec)
 
-    def summary(self, model: nn.Module, updater: Updater) -> dict:
-        """This way of training's lines of the run's result."""
+    def summary(self, model: nn.Module, updater: Updater, result: dict) -> dict:
+        """This way of training's lines of the run's result (`result`: this process's so far)."""
         from deeprec.nn.tiered import tier_summary
 
         tiers = tier_summary(model)
