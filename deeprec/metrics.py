@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from deeprec.progress import progress as show_progress
+
 BINS = 1 << 20
 
 
@@ -89,16 +91,21 @@ class Evaluation:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, reader) -> dict:
+def evaluate(model: torch.nn.Module, reader, *, progress=None, description: str = "evaluate") -> dict:
     """AUC and log loss of the model's predictions over one pass of `reader`, in bounded
     memory; a multi-task model (logits [B, T]) gets them per task under "tasks", the
-    first task's at the top level."""
+    first task's at the top level. `progress`: rows evaluated and rows/s shown on a terminal
+    (None or True: deeprec.progress's shared console, False: never, or a rich Console)."""
     evaluation = Evaluation(model)
+    rows = evaluation.metrics[0]  # its row count grows with every batch
     was_training = model.training
     model.eval()
     try:
-        for batch in reader:
-            evaluation.update(batch, model(batch)["logits"])
+        with show_progress(description, unit="rows", console=progress, transient=True) as shown:
+            for batch in reader:
+                before = rows.rows
+                evaluation.update(batch, model(batch)["logits"])
+                shown.advance(rows.rows - before)
     finally:
         model.train(was_training)
     return evaluation.result()

@@ -18,6 +18,7 @@ import pyarrow.csv as pacsv
 
 from deeprec.data.criteo import DENSE, SPARSE
 from deeprec.errors import check_choice
+from deeprec.progress import progress as show_progress
 
 # Distinct values of C1..C26 in the Criteo Kaggle display-advertising data.
 KAGGLE_CARDINALITIES = (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683,
@@ -91,9 +92,10 @@ def generate_chunk(rng: np.random.Generator, n: int, cardinalities,
 
 
 def write_synthetic(path: str, rows: int, *, cardinalities: str | tuple = "kaggle", seed: int = 0,
-                    chunk_rows: int = 100_000, zipf_exponent: float = ZIPF_EXPONENT) -> dict:
+                    chunk_rows: int = 100_000, zipf_exponent: float = ZIPF_EXPONENT, progress=None) -> dict:
     """Write `rows` rows of Criteo-layout TSV to `path`; returns a summary. `cardinalities`:
-    a preset name or 26 ints (the distinct ids of C1..C26)."""
+    a preset name or 26 ints (the distinct ids of C1..C26). `progress`: rows written of `rows`
+    on a terminal (None or True: deeprec.progress's shared console, False: never, or a rich Console)."""
     if isinstance(cardinalities, str):
         check_choice("cardinalities", cardinalities, tuple(CARDINALITIES))
         cards = CARDINALITIES[cardinalities]
@@ -105,7 +107,7 @@ def write_synthetic(path: str, rows: int, *, cardinalities: str | tuple = "kaggl
     options = pacsv.WriteOptions(include_header=False, delimiter="\t", quoting_style="none")
     clicks = 0
     prob_sum = 0.0
-    with pa.OSFile(path, "wb") as sink:
+    with pa.OSFile(path, "wb") as sink, show_progress("synth", total=rows, console=progress) as shown:
         written = 0
         while written < rows:
             n = min(chunk_rows, rows - written)
@@ -114,5 +116,6 @@ def write_synthetic(path: str, rows: int, *, cardinalities: str | tuple = "kaggl
             clicks += int(np.asarray(table.column("label")).sum())
             prob_sum += float(prob.sum())
             written += n
+            shown.advance(n)
     return {"path": path, "rows": rows, "click_rate": clicks / max(rows, 1),
             "cardinalities": cardinalities, "seed": seed}

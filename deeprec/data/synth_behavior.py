@@ -21,6 +21,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
+from deeprec.progress import progress as show_progress
+
 
 def _sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x))
@@ -66,13 +68,14 @@ def _joined(values: np.ndarray, offsets: np.ndarray) -> pa.Array:
 
 def write_behavior(path: str, rows: int, *, users: int = 5000, items: int = 20000, categories: int = 100,
                    max_length: int = 50, seed: int = 0, sample_seed: int | None = None,
-                   chunk_rows: int = 100_000) -> dict:
+                   chunk_rows: int = 100_000, progress=None) -> dict:
     """`seed` fixes the world (items, users, preferences); `sample_seed` the rows drawn
-    from it (default: seed), so a train and an eval file share one world."""
+    from it (default: seed), so a train and an eval file share one world. `progress`: rows written
+    on a terminal (None or True: deeprec.progress's shared console, False: never, or a rich Console)."""
     world = BehaviorWorld(users, items, categories, seed)
     rng = np.random.default_rng([seed if sample_seed is None else sample_seed, 11])
     clicks = 0
-    with pa.OSFile(path, "wb") as sink:
+    with pa.OSFile(path, "wb") as sink, show_progress("synth", total=rows, console=progress) as shown:
         sink.write(b"click\tlike\tuser_id\titem_id\tcategory_id\thist_items\thist_cats\n")
         options = pacsv.WriteOptions(include_header=False, delimiter="\t", quoting_style="none")
         for start in range(0, rows, chunk_rows):
@@ -99,5 +102,6 @@ def write_behavior(path: str, rows: int, *, users: int = 5000, items: int = 2000
                               "item_id": target, "category_id": category, "hist_items": _joined(hist, offsets),
                               "hist_cats": _joined(hist_cats, offsets)})
             pacsv.write_csv(table, sink, write_options=options)
+            shown.advance(n)
     return {"rows": rows, "click_rate": clicks / max(rows, 1), "users": users, "items": items,
             "categories": categories}

@@ -27,10 +27,12 @@ from torch.utils._pytree import tree_leaves
 import deeprec
 from deeprec.atomic import replace_dir, sha256_file
 from deeprec.data.schema import Schema, schema_to_dict
+from deeprec.progress import progress as show_progress
 from deeprec.serving.frozen import freeze_variables
 
 FORMAT = 1
 PROGRAM, TABLES, MANIFEST = "program.pt2", "tables.safetensors", "manifest.json"
+STAGES = ("freezing variables", "tracing (torch.export)", "writing the program", "writing weights")
 
 
 def example_batch(schema: Schema, rows: int = 5) -> dict:
@@ -62,22 +64,35 @@ def _dynamic_shapes(batch: dict) -> ShapesCollection:
 
 
 def export(model: torch.nn.Module, path: str, *, schema: Schema | None = None, model_name: str | None = None,
-           step: int = 0) -> str:
+           step: int = 0, progress=None) -> str:
     """Write a self-contained serving export of `model` to the folder `path` (replaced atomically).
-    The model is not changed: a frozen copy is traced."""
+    The model is not changed: a frozen copy is traced. `progress`: the stage under way shown on a
+    terminal (None or True: deeprec.progress's shared console, False: never, or a rich Console)."""
     schema = schema or getattr(model, "schema", None)
     if schema is None:
         raise ValueError("export needs the data's schema: dr.export(model, path, schema=...)")
-    frozen = copy.deepcopy(model).eval()
-    freeze_variables(frozen)
-    batch = example_batch(schema)
-    with torch.no_grad():
-        program = torch.export.export(frozen, (batch,), dynamic_shapes=_dynamic_shapes(batch), strict=False)
+    with show_progress("export", total=len(STAGES), unit="stages", rate=False, console=progress,
+                       transient=True) as shown:
+        shown.stage(STAGES[0])
+        frozen = copy.deepcopy(model).eval()
+        freeze_variables(frozen)
+        batch = example_batch(schema)
+        shown.stage(STAGES[1])
+        with torch.no_grad():
+            program = torch.export.export(frozen, (batch,), dynamic_shapes=_dynamic_shapes(batch), strict=False)
+        shown.stage(STAGES[2])
+        _write(program, model, path, schema, batch, model_name, step, shown)
+    return path
+
+
+def _write(program, model, path: str, schema: Schema, batch: dict, model_name, step: int, shown) -> None:
+    """The export's files into a staging folder, then swapped in for `path` (replace_dir)."""
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".export-", dir=parent)
     try:
         torch.export.save(program, os.path.join(staging, PROGRAM))
+        shown.stage(STAGES[3])
         weights = {k: v.detach().contiguous() for k, v in program.state_dict.items()}
         save_file(weights, os.path.join(staging, TABLES))
         manifest = {"format": FORMAT, "model": model_name or type(model).__name__.lower(), "step": int(step),
@@ -87,10 +102,10 @@ def export(model: torch.nn.Module, path: str, *, schema: Schema | None = None, m
         with open(os.path.join(staging, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)
         replace_dir(staging, path)  # every file fsynced, then renamed in (an older export aside, then dropped)
+        shown.advance()  # the last stage done
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)  # a failed export leaves neither a half folder nor the staging
         raise
-    return path
 
 
 __all__ = ["export", "example_batch", "FORMAT"]
