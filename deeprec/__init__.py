@@ -9,10 +9,10 @@
 from deeprec import data, errors, models, nn, ops, optim
 from deeprec.config import Config, SmartStageOptions, ThreadPoolOptions
 from deeprec.errors import ConfigError, DataError, DeepRecError, OutOfRangeError
-from deeprec.graph import CaptureError, MultiStreamOptions, colocate_with, mark_target_node, staged, stream
+from deeprec.graph import (CaptureError, MultiStreamOptions, colocate_with, leaf_module, mark_target_node, staged,
+                           stream)
 from deeprec.nn import (CBFFilter, CounterFilter, EmbeddingCollection, EmbeddingVariable, EmbeddingVariableOption,
-                        GlobalStepEvict, InitializerOption, L2WeightEvict, StorageOption,
-                        fused_safe_embedding_lookup_sparse)
+                        GlobalStepEvict, InitializerOption, L2WeightEvict, StorageOption)
 from deeprec.ops import op
 from deeprec.ragged import Ragged
 from deeprec.runtime import OptimizedModel, make_prefetch_hook, optimize
@@ -23,7 +23,7 @@ from deeprec import serving  # noqa: E402  (after __version__: an export records
 from deeprec.serving import export  # noqa: E402
 __all__ = ["Ragged", "data", "errors", "models", "nn", "ops", "optim", "op", "CBFFilter", "CounterFilter",
            "EmbeddingCollection", "EmbeddingVariable", "EmbeddingVariableOption", "GlobalStepEvict",
-           "InitializerOption", "L2WeightEvict", "StorageOption", "fused_safe_embedding_lookup_sparse", "Config", "SmartStageOptions", "ThreadPoolOptions",
+           "InitializerOption", "L2WeightEvict", "StorageOption", "Config", "SmartStageOptions", "ThreadPoolOptions",
            "ConfigError", "DataError", "DeepRecError", "OutOfRangeError", "CaptureError",
-           "mark_target_node", "staged", "MultiStreamOptions", "stream", "colocate_with", "OptimizedModel", "make_prefetch_hook", "optimize", "__version__",
+           "leaf_module", "mark_target_node", "staged", "MultiStreamOptions", "stream", "colocate_with", "OptimizedModel", "make_prefetch_hook", "optimize", "__version__",
            "serving", "export"]

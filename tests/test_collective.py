@@ -170,7 +170,7 @@ def _rank_nan(rank, port, out_dir):
             if step == 3:
                 before = rows(model)
             nan = rank == 1 and step == 3
-            out = fast.step({"a": ids["a"][part], "b": ids["b"][part], "label": labels[part],
+            out = fast.forward_backward({"a": ids["a"][part], "b": ids["b"][part], "label": labels[part],
                              "scale": torch.full((BATCH,), float("nan") if nan else 1.0)})
             updater.discard() if "nonfinite" in out else updater.apply()
     except NonFiniteError as err:

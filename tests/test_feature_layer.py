@@ -130,7 +130,7 @@ def test_micro_batches_merge_embedding_rows_for_every_model(name, behavior):
         full(batch)["loss"].backward()
         opt_full.step()
         opt_full.zero_grad()
-        fast.step(batch)
+        fast.forward_backward(batch)
         opt_micro.step()
         opt_micro.zero_grad()
     for (key, a), b in zip(full.state_dict().items(), micro.state_dict().values(), strict=True):
@@ -143,9 +143,9 @@ def test_kept_micro_batch_rows_that_are_never_applied_are_an_error(behavior):
     make_optimizer(model, "sgd", 0.1)
     fast = dr.optimize(model, dr.Config(micro_batch_num=2))
     first, second = batches("din", behavior, 2)
-    fast.step(first)  # no optimizer.step(): the embedding rows are still kept
+    fast.forward_backward(first)  # no optimizer.step(): the embedding rows are still kept
     with pytest.raises(RuntimeError, match="never applied"):
-        fast.step(second)
+        fast.forward_backward(second)
 
 
 @pytest.mark.parametrize("name", ALL)

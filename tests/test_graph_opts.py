@@ -151,7 +151,7 @@ def test_micro_batches_give_the_full_batch_gradient(sample, n, embedding):
         grads = {k: p.grad.to_dense().clone() for k, p in plain.named_parameters() if p.grad is not None}
         opt_a.step()
         opt_a.zero_grad()
-        out = fast.step(batch)
+        out = fast.forward_backward(batch)
         assert torch.allclose(out["loss"], full["loss"].detach(), rtol=1e-6)
         assert torch.allclose(out["logits"], full["logits"].detach(), rtol=1e-5, atol=1e-6)
         for k, p in twin.named_parameters():
@@ -189,7 +189,7 @@ def test_micro_batch_iterate_reads_each_batch_once_and_matches_step(sample):
     reader = CountingReader(sample, batch_size=48)
     losses_a = []
     for batch in CriteoReader(sample, batch_size=48):
-        losses_a.append(fast_step.step(batch)["loss"].item())
+        losses_a.append(fast_step.forward_backward(batch)["loss"].item())
         opt_a.step()
         opt_a.zero_grad()
     losses_b = []
@@ -205,7 +205,7 @@ def test_micro_batch_iterate_reads_each_batch_once_and_matches_step(sample):
 def test_micro_batch_larger_than_batch_is_a_clear_error():
     fast = dr.optimize(TwoTowers(), dr.Config(micro_batch_num=8))
     with pytest.raises(dr.ConfigError, match="micro_batch_num=8 is larger than the batch"):
-        fast.step(towers_batch(n=4))
+        fast.forward_backward(towers_batch(n=4))
 
 
 def test_bf16_runs_matmuls_in_bfloat16_with_fp32_weights(sample):
@@ -255,7 +255,7 @@ def test_micro_batches_split_sequence_columns(behavior):
     fast = dr.optimize(twin, dr.Config(micro_batch_num=3))
     batch = next(iter(CsvReader(behavior[0], PRESETS["behavior"], batch_size=100)))
     plain(batch)["loss"].backward()
-    out = fast.step(batch)
+    out = fast.forward_backward(batch)
     assert out["logits"].shape == (100,)
     for (name, p), q in zip(plain.named_parameters(), twin.parameters()):
         a, b = p.grad.to_dense(), q.grad.to_dense()

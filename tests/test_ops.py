@@ -89,7 +89,7 @@ def test_many_columns_in_one_call_equal_one_by_one():
     cols = [Ragged.from_strings([f"{f}-{i}".encode() for i in range(300)]) for f in range(5)]
     sizes = [10, 100, 1000, 7, 2**40]
     many = ops.string_to_hash_bucket(cols, sizes, hash="farmhash")
-    assert isinstance(many, list) and len(many) == 5
+    assert isinstance(many, tuple) and len(many) == 5
     for col, n, got in zip(cols, sizes, many):
         assert torch.equal(got, ops.string_to_hash_bucket(col, n, hash="farmhash"))
     assert [k.tolist() for k in ops.string_to_hash_key(cols)] == [ops.string_to_hash_key(c).tolist() for c in cols]

@@ -21,7 +21,7 @@ def _tiered(tmp_path, dram_bytes=4000, **kw) -> dr.StorageOption:
 
 
 def _ev(storage, optimizer=None, **option):
-    ev = dr.EmbeddingVariable(8, ev_option=dr.EmbeddingVariableOption(storage=storage, **option), name="t")
+    ev = dr.nn.embedding_variable(8, ev_option=dr.EmbeddingVariableOption(storage=storage, **option), name="t")
     ev.set_optimizer(optimizer or sparse.Adagrad(lr=0.1))
     return ev
 
@@ -71,7 +71,7 @@ def test_training_equals_all_dram_exactly_while_rows_move(tmp_path, cache, optim
 
 
 def test_collection_with_delayed_updates_equals_all_dram(tmp_path):
-    # micro-batches keep gradients until step(): rows may go to disk and back before their update
+    # micro-batches keep gradients until apply_pending(): rows may go to disk and back before their update
     torch.manual_seed(1)
     features = lambda storage: [dr.nn.EmbeddingFeature(f"f{i}", ev_option=dr.EmbeddingVariableOption(storage=storage))
                                 for i in range(3)]
@@ -83,7 +83,7 @@ def test_collection_with_delayed_updates_equals_all_dram(tmp_path):
             ids = {f"f{i}": torch.randint(0, 400, (32,)) for i in range(3)}
             for c in (plain, tiered):
                 c(ids).pow(2).sum().backward()
-        plain.step(), tiered.step()
+        plain.apply_pending(), tiered.apply_pending()
     for a, b in zip(plain.lookup.variables, tiered.lookup.variables):
         assert b.tier_stats()["disk_rows"] > 0
         assert_same_rows(a.export(), b.export())

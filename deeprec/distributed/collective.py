@@ -25,7 +25,7 @@ from torch import nn
 from deeprec.distributed.allreduce import Traffic
 from deeprec.errors import ConfigError, NonFiniteError
 from deeprec.nn.collection import EmbeddingCollection, FusedLookup
-from deeprec.nn.lookup import assemble
+from deeprec.nn.lookup import EmbeddingLookup, assemble
 from deeprec.nn.variable import EmbeddingVariable, shard_of
 from deeprec.optim import merge_rows
 from deeprec.distributed.reshard import rank_dir
@@ -67,13 +67,26 @@ class _ReturnRows(torch.autograd.Function):
         return None, None, None, None
 
 
-class ShardedLookup(nn.Module):
+class ShardedLookup(EmbeddingLookup):
     """Stands in for a FusedLookup: this rank's shard of every table (EmbeddingVariables or fixed)."""
 
-    _deeprec_leaf = True
-    _deeprec_stateful = True
-    _deeprec_row_sparse = True  # updates rows in backward, or kept over micro-batches (deferred_lookups)
-    _deeprec_collective = True  # every rank's forward and backward pair up: a backward is never skipped
+    must_run_backward = True  # every rank's forward and backward pair up: a backward is never skipped
+
+    # EmbeddingLookup: rows updated in backward, or kept over micro-batches for apply_pending
+    @property
+    def updates_in_backward(self) -> bool:
+        return self.fused
+
+    def defer_updates(self, defer: bool) -> None:
+        self.fused = not defer
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    @property
+    def hash_tables(self) -> bool:
+        return all(self.dynamic)
 
     def __init__(self, fused: FusedLookup, group=None):
         super().__init__()
@@ -98,7 +111,7 @@ class ShardedLookup(nn.Module):
                 for a, b, plan in zip(bounds[:-1], bounds[1:], self.plans))
         self._token = torch.zeros(0, requires_grad=True)
         self.traffic = Traffic()  # the all-to-alls of ids, rows and gradients
-        self.fused, self._pending = True, []  # micro-batching keeps the updates for step() (deferred_lookups)
+        self.fused, self._pending = True, []  # micro-batching keeps the updates for apply_pending()
 
     def forward(self, uniques, inverse, offsets, weights, counts, masks=()):
         if self._pending and self.fused and self.training:
@@ -170,7 +183,7 @@ class ShardedLookup(nn.Module):
 
     def apply(self, plan: dict, grads: torch.Tensor) -> None:
         """Every rank's gradient of this rank's rows: summed per row, / world (the global batch's
-        mean); one optimizer step, or kept for `step()` over micro-batches (fused False)."""
+        mean); one optimizer step, or kept for `apply_pending()` over micro-batches (fused False)."""
         updates = [(rows, torch.zeros(n, self.dim, device=grads.device).index_add_(0, where, grads[sel]) / self.world,
                     generation)
                    for sel, where, n, rows, generation in plan["tables"]]
@@ -186,7 +199,7 @@ class ShardedLookup(nn.Module):
             ev.apply_update(self.optimizer, rows, grad, generation)
 
     # the OptimizerGroup's side of micro-batching, as FusedLookup's
-    def step(self) -> None:
+    def apply_pending(self) -> None:
         """The gradients kept over a step's micro-batches: rows merged per table, one optimizer step."""
         if not self._pending:
             return
@@ -199,7 +212,7 @@ class ShardedLookup(nn.Module):
         self._pending.clear()
         self._update(merged)
 
-    def zero_grad(self) -> None:
+    def discard_pending(self) -> None:
         self._pending.clear()
 
     def check_applied(self) -> None:

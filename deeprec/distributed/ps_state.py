@@ -16,6 +16,7 @@ servicer answers INVALID_ARGUMENT), a limit ResourceExhausted (RESOURCE_EXHAUSTE
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -26,10 +27,9 @@ import torch
 from deeprec.distributed.ps_store import DenseGroup, EmbeddingArena
 from deeprec.distributed.ps_tiered import TieredArena
 from deeprec.distributed.wire import WireError
-from deeprec.errors import ConfigError
 from deeprec.nn.options import InitializerOption, StorageOption
 from deeprec.nn.variable import shard_of
-from deeprec.optim import sparse
+from deeprec.optim.sparse import row_sparse_optimizer
 
 MAX_DIM = 8192  # embedding dim a Register may ask for
 MAX_WAIT_S = 120.0  # longest a sync step's pushes wait for the other workers'
@@ -50,13 +50,7 @@ class _Part:
     position: torch.Tensor | None  # where its rows go among the request's rows of its dim; None: all of them
 
 
-def make_optimizer(name: str, lr: float) -> sparse.RowSparseOptimizer:
-    if name not in sparse.ROW_SPARSE:
-        raise WireError(f"optimizer {name!r} is not one of {', '.join(sparse.ROW_SPARSE)}")
-    try:
-        return sparse.ROW_SPARSE[name](lr=lr)
-    except (ConfigError, ValueError) as err:  # a bad request, not a PS failure
-        raise WireError(f"optimizer {name!r}: {err}") from None
+make_optimizer = functools.partial(row_sparse_optimizer, error=WireError)  # a bad name or lr: a bad request
 
 
 class ShardState:

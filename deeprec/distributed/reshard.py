@@ -93,11 +93,11 @@ def one_process_state(model, state: dict) -> dict:
     """A merged collective checkpoint's model state (`restore_collective(base, 0, 1)`) in the layout
     of the unsharded `model`: each fixed table's rows, saved per rank as global row ids and values,
     written into its FusedLookup's weight (and optimizer slots); EmbeddingVariables load as saved."""
-    from deeprec.nn.collection import FusedLookup
+    from deeprec.nn.lookup import embedding_lookups
 
     out = dict(state)
-    for name, lookup in model.named_modules():
-        if not isinstance(lookup, FusedLookup) or all(lookup.dynamic):
+    for name, lookup in embedding_lookups(model):
+        if not lookup.holds_tables or lookup.hash_tables:  # EmbeddingVariables load as saved
             continue
         weight, slots, offset = lookup.weight.detach().clone(), {}, 0
         for t, feature in enumerate(lookup.features):

@@ -25,7 +25,7 @@ from deeprec.distributed.client import DENSE_MODES, PSClient
 from deeprec.errors import ConfigError, check_choice
 from deeprec.nn.collection import EmbeddingCollection, FusedLookup
 from deeprec.nn.variable import EmbeddingVariable
-from deeprec.nn.lookup import RowGather, assemble
+from deeprec.nn.lookup import EmbeddingLookup, RowGather, assemble
 from deeprec.optim.dense import OptimizerGroup, torch_optimizers
 from deeprec.optim.sparse import merge_rows
 
@@ -50,15 +50,19 @@ class DeferredPush:
             return held
 
 
-class RemoteLookup(nn.Module):
+class RemoteLookup(EmbeddingLookup):
     """Stands in for a FusedLookup of EmbeddingVariables: same inputs and outputs,
     rows pulled from and gradients kept for the PSs.
 
     With async embedding, `prefetch` pulls a staged batch's rows from the stage's
     runner thread; `forward` then finds them instead of calling the PSs."""
 
-    _deeprec_leaf = True  # one graph node, like the FusedLookup it replaces
-    _deeprec_stateful = True
+    # EmbeddingLookup: the PSs apply the pushed gradients, kept here (merged over micro-batches by
+    # take_gradients) until PSUpdater pushes them; prefetch pulls rows ahead (async embedding)
+    updates_in_backward = False
+    can_prefetch = True
+    prefetch_reads_rows = True
+    holds_tables = False
 
     def __init__(self, client: PSClient, names: list[str], local: FusedLookup):
         super().__init__()

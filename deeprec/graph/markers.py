@@ -4,7 +4,7 @@ from __future__ import annotations
 from deeprec.ops.graph_op import op
 
 
-@op
+@op(outputs=lambda *values: None if len(values) == 1 else len(values))
 def staged(*values):
     """Manual stage boundary, like `tf.staged`: everything these values depend on
     runs in the background stage. Returns its arguments (one value or a tuple)."""

@@ -91,11 +91,12 @@ def record_user_stream(node: torch.fx.Node) -> None:
 
 
 def _is_lookup(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    """deeprec's lookups (local, PS, collective alike) and torch's embedding layers."""
     if node.op != "call_module":
         return False
-    from deeprec.nn.collection import FusedLookup
+    from deeprec.nn.lookup import EmbeddingLookup  # deeprec.nn imports this module's markers
 
-    return isinstance(gm.get_submodule(node.target), (FusedLookup, nn.Embedding, nn.EmbeddingBag))
+    return isinstance(gm.get_submodule(node.target), (EmbeddingLookup, nn.Embedding, nn.EmbeddingBag))
 
 
 def _compute_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:

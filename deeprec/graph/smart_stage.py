@@ -21,6 +21,7 @@ from torch.fx.passes.split_module import split_module
 
 from deeprec.errors import ConfigError
 from deeprec.graph.markers import mark_target_node, staged
+from deeprec.nn.lookup import EmbeddingLookup
 from deeprec.ops.graph_op import is_stateful_op
 
 STAGE, MAIN = 0, 1
@@ -54,7 +55,7 @@ def _origin_reason(node: torch.fx.Node, root: nn.Module) -> str | None:
         return f"depends on parameter/buffer {node.target}"
     if node.op == "call_module":
         module = root.get_submodule(node.target)
-        if getattr(module, "_deeprec_stateful", False):  # state outside parameters/buffers (EmbeddingVariable)
+        if isinstance(module, EmbeddingLookup) and module.stateful:  # state outside parameters/buffers
             return f"stateful module {node.target} ({type(module).__name__})"
         for pname, _ in module.named_parameters():
             return f"depends on parameter {node.target}.{pname}"

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deeprec.data.schema import Schema
+from deeprec.graph.capture import leaf_module
 from deeprec.models.common import MLP
 from deeprec.models.din import AttentionPooling, BehaviorInputs
 from deeprec.models.features import label_columns
@@ -36,10 +37,9 @@ class DIENConfig:
     label: str | None = None
 
 
+@leaf_module  # its loop over steps is one graph node when forward is traced
 class AUGRU(nn.Module):
     """GRU whose update gate is scaled by an attention score per step; padded steps keep the state."""
-
-    _deeprec_leaf = True  # its loop over steps is one graph node when forward is traced
 
     def __init__(self, width: int):
         super().__init__()

@@ -12,7 +12,7 @@ deduplicated per table, so a row is read once and updated once. A sequence
 feature (`pooled=False`) keeps one vector per position instead of pooling.
 The backward of the gather applies the attached row-sparse optimizer to the
 unique rows only (fused), or, with `fused=False`, keeps the gradients until
-`step()` (micro-batching). On parameter servers the lookup is swapped for
+`apply_pending()` (micro-batching). On parameter servers the lookup is swapped for
 `deeprec.distributed.worker.RemoteLookup`, which has the same inputs and outputs.
 """
 from __future__ import annotations
@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from deeprec.errors import ConfigError, check_choice
-from deeprec.nn.lookup import COMBINERS, RowGather, assemble, merge_shared_tables, prepare_bags
+from deeprec.nn.lookup import COMBINERS, EmbeddingLookup, RowGather, assemble, merge_shared_tables, prepare_bags
 from deeprec.nn.options import EmbeddingVariableOption
-from deeprec.nn.variable import EmbeddingVariable, Gathered
+from deeprec.nn.variable import Gathered, embedding_variable
 from deeprec.optim.sparse import RowSparseOptimizer, merge_rows
 from deeprec.ragged import Ragged
 
@@ -55,15 +55,11 @@ class EmbeddingFeature:
                               "padding empty; fill_id applies to pooled features")
 
 
-class FusedLookup(nn.Module):
+class FusedLookup(EmbeddingLookup):
     """The stateful half of the lookup: tables, optimizer state, gradient sink.
 
     `tables`: the features that own a table, in table order; `num_pooled`: how many of
     the looked-up features (pooled ones first) pool their bags."""
-
-    _deeprec_row_sparse = True  # updates rows in backward, or kept over micro-batches (deferred_lookups)
-    _deeprec_leaf = True  # captured as one node (deeprec.graph.capture)
-    _deeprec_stateful = True  # inserts keys and takes updates: never staged (deeprec.graph.smart_stage)
 
     def __init__(self, tables: list[EmbeddingFeature], dim: int, max_norm: float | None, init_bound: float,
                  num_pooled: int | None = None):
@@ -79,7 +75,7 @@ class FusedLookup(nn.Module):
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor, int | None]] = []  # part, rows, grads, gen
         self._token = torch.zeros(0, requires_grad=True)  # makes autograd call RowGather.backward
         if all(self.dynamic):
-            self.variables = nn.ModuleList(EmbeddingVariable(dim, ev_option=f.ev_option, name=f.name)
+            self.variables = nn.ModuleList(embedding_variable(dim, ev_option=f.ev_option, name=f.name)
                                            for f in tables)
         else:
             sizes = [f.num_embeddings for f in tables]
@@ -138,18 +134,34 @@ class FusedLookup(nn.Module):
             self.optimizer.update(self.weight.data, self._slots(), rows, grad)
             self.optimizer_step.fill_(self.optimizer.step_count)
 
+    # -- EmbeddingLookup: deferred updates, prefetch, placement ---------------------------------
     @property
-    def pending(self) -> bool:
+    def updates_in_backward(self) -> bool:
+        return self.optimizer is not None and self.fused
+
+    def defer_updates(self, defer: bool) -> None:
+        self.fused = not defer
+
+    @property
+    def has_pending(self) -> bool:
         return bool(self._pending)
 
-    def check_applied(self) -> None:
-        """Kept rows must be applied before the next step's lookups: never dropped silently."""
-        if self._pending:
-            raise RuntimeError("embedding gradients kept over the last step's micro-batches were never applied: "
-                               "step the optimizer of deeprec.optim.make_optimizer (or call collection.step()) "
-                               "after each micro-batched step")
+    @property
+    def can_prefetch(self) -> bool:
+        """Tiered EmbeddingVariables whose StorageOption asks to promote the next batch's rows."""
+        return any(ev.can_prefetch for ev in self.variables) if all(self.dynamic) else False
 
-    def step(self) -> None:
+    def prefetch(self, keys, train: bool) -> None:
+        """Promote the rows of the staged unique keys (one tensor per table) into DRAM."""
+        for ev, table_keys in zip(self.variables, keys):
+            if ev.can_prefetch:
+                ev.prefetch(table_keys, train)
+
+    @property
+    def hash_tables(self) -> bool:
+        return all(self.dynamic)
+
+    def apply_pending(self) -> None:
         """Apply the gradients kept since the last step (fused=False): rows seen in
         several backwards are merged, then one optimizer step."""
         if not self._pending:
@@ -166,7 +178,7 @@ class FusedLookup(nn.Module):
                 self._apply(part, rows, grads, unique=False, generation=current)
         self._pending.clear()
 
-    def zero_grad(self) -> None:
+    def discard_pending(self) -> None:
         self._pending.clear()
 
     # -- lookup ------------------------------------------------------------------------------
@@ -267,12 +279,13 @@ class EmbeddingCollection(nn.Module):
         self.lookup.attach(optimizer, fused)
         return self
 
-    def step(self) -> None:
-        self.lookup.step()
+    def apply_pending(self) -> None:
+        """Apply the row gradients kept over micro-batches (set_optimizer(..., fused=False))."""
+        self.lookup.apply_pending()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        self.lookup.zero_grad()
+        self.lookup.discard_pending()
 
     def forward(self, ids):
         ordered = [ids[name] for name in self._order] if isinstance(ids, dict) else list(ids)
@@ -291,9 +304,4 @@ class EmbeddingCollection(nn.Module):
         return pooled, {name: sequences[s] for s, name in enumerate(self.sequence_names)}  # indexed: fx-traceable
 
 
-def fused_safe_embedding_lookup_sparse(collection: EmbeddingCollection, ids) -> torch.Tensor:
-    """DeepRec's fused `safe_embedding_lookup_sparse` over many features: [B, F, D]."""
-    return collection(ids)
-
-
-__all__ = ["EmbeddingCollection", "EmbeddingFeature", "FusedLookup", "Ragged", "fused_safe_embedding_lookup_sparse"]
+__all__ = ["EmbeddingCollection", "EmbeddingFeature", "FusedLookup", "Ragged"]

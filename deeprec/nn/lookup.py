@@ -10,12 +10,18 @@
 Combiners are per-sample weights of one "sum" bag reduction: sum -> 1,
 mean -> 1/n, sqrtn -> 1/sqrt(n); autograd differentiates them (so sqrtn's
 backward is the true gradient of the unfused formula).
+
+`EmbeddingLookup` is the interface every lookup module declares (FusedLookup, a free
+EmbeddingVariable, the PS's RemoteLookup, the collective ShardedLookup): graph passes and
+runtimes ask it what they need, never the concrete class.
 """
 from __future__ import annotations
 
+import abc
 from typing import Sequence
 
 import torch
+from torch import nn
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from deeprec.ops.graph_op import op
@@ -39,7 +45,7 @@ def _as_ids(ids) -> tuple[torch.Tensor, torch.Tensor, int]:
     return ids.reshape(-1).long().cpu(), _NO_OFFSETS, ids.shape[0]
 
 
-@op
+@op(outputs=5)
 def prepare_bags(ids: Sequence, combiners: Sequence[str], fill_ids: Sequence):
     """Prune negative ids, fill empty bags, dedup per feature, and lay out all
     F x B bags (feature-major) for one bag reduction: one native op for every feature
@@ -81,7 +87,7 @@ class RowGather(torch.autograd.Function):
         return None, None, None, None
 
 
-@op
+@op(outputs=3)
 def merge_shared_tables(uniques: Sequence[torch.Tensor], inverse: torch.Tensor, counts: Sequence[torch.Tensor],
                         table_of: Sequence[int]):
     """Per-feature unique keys -> per-table unique keys, for features that share a table
@@ -154,3 +160,118 @@ def assemble(rows: torch.Tensor, inverse, offsets, weights, masks: Sequence[torc
         index[mask.reshape(-1)] = inverse[start:stop]
         sequences.append(padded.index_select(0, index).view(*mask.shape, dim))
     return pooled, tuple(sequences)
+
+
+class EmbeddingLookup(abc.ABC, nn.Module):
+    """An embedding lookup module, as graph passes and runtimes see it (declared the way TorchRec
+    declares `EmbeddingBagCollectionInterface`). Every lookup deeprec offers implements it:
+    `FusedLookup` (an EmbeddingCollection's tables), `EmbeddingVariable` (`ev(ids)`),
+    `RemoteLookup`/`RemoteVariable` (rows on parameter servers), `ShardedLookup` (rows over ranks).
+
+        capture          one graph node (never traced into)
+        SmartStage       never staged while `stateful` (its inputs' hashing is)
+        MultiStream      "embedding" policy: a stream per lookup
+        micro-batching   `updates_in_backward` ones `defer_updates(True)` over the micro-batches;
+                         the optimizer step calls `apply_pending()` (rows merged, one update)
+        prefetch         `can_prefetch`: the stage hands it the next batch's keys (`prefetch`)
+        placement        `holds_tables`, `hash_tables`, `table_nbytes()`, `table_device`
+        explain()        lines for `OptimizedModel.explain()`
+    """
+
+    @abc.abstractmethod
+    def forward(self, *args):
+        """Keys in, rows (pooled or per id) out."""
+
+    # -- graph passes -------------------------------------------------------------------------
+    @property
+    def stateful(self) -> bool:
+        """It inserts keys and its rows change with every update: running it ahead of the step
+        (SmartStage) would read stale rows."""
+        return True
+
+    def explain(self) -> list[str]:
+        return []
+
+    # -- updates ------------------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def updates_in_backward(self) -> bool:
+        """Its backward applies a row-sparse optimizer to the rows right away (micro-batching must
+        `defer_updates` so that every micro-batch reads the step's rows)."""
+
+    def defer_updates(self, defer: bool) -> None:
+        """True: backward keeps the rows' gradients for `apply_pending()`; False: it updates again."""
+        if defer:
+            raise NotImplementedError(f"{type(self).__name__} cannot keep its updates for the optimizer step")
+
+    @property
+    def has_pending(self) -> bool:
+        """Row gradients are kept, waiting for `apply_pending()`."""
+        return False
+
+    def apply_pending(self) -> None:
+        """Apply the kept row gradients (rows seen in several backwards merged): one optimizer step."""
+
+    def discard_pending(self) -> None:
+        """Drop the kept row gradients (a step that is not applied)."""
+
+    def check_applied(self) -> None:
+        """Raise if gradients kept for the last step were never applied (a lookup must not read them stale)."""
+        if self.has_pending:
+            raise RuntimeError(f"{type(self).__name__}: embedding gradients kept over the last step's micro-batches "
+                               "were never applied: step the optimizer of deeprec.optim.make_optimizer (or call "
+                               "apply_pending()) after each micro-batched step")
+
+    @property
+    def must_run_backward(self) -> bool:
+        """Its backward pairs up with other processes' (collective all-to-all): never skip it."""
+        return False
+
+    # -- prefetch -----------------------------------------------------------------------------
+    @property
+    def can_prefetch(self) -> bool:
+        """`prefetch(keys)` prepares the rows of staged keys ahead of the step."""
+        return False
+
+    @property
+    def prefetch_reads_rows(self) -> bool:
+        """`prefetch` reads the rows' values, which may then miss the current step's update (the
+        PS's async embedding: bounded staleness, opt-in); False: it only moves rows, values exact."""
+        return False
+
+    def prefetch(self, keys, train: bool) -> None:
+        """Prepare the rows of `keys` (the lookup's first input, as the stage computed it)."""
+        raise NotImplementedError(f"{type(self).__name__} does not prefetch")
+
+    def discard_prefetched(self) -> None:
+        """Forget rows prefetched for batches that will not be trained on."""
+
+    # -- placement ----------------------------------------------------------------------------
+    @property
+    def holds_tables(self) -> bool:
+        """The rows live in this process (False: on parameter servers)."""
+        return True
+
+    @property
+    def hash_tables(self) -> bool:
+        """The tables are hash tables (EmbeddingVariables): they grow, and stay in host memory."""
+        return True
+
+    def table_nbytes(self) -> int:
+        """Bytes of the fixed-size tables and their optimizer slots (hash tables grow: 0)."""
+        return 0
+
+    @property
+    def table_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+def embedding_lookups(model: nn.Module) -> list[tuple[str, EmbeddingLookup]]:
+    """(name, lookup) of every embedding lookup of `model`, each once (a shared one under its first
+    name), outermost only: the EmbeddingVariables inside a FusedLookup are its tables, not lookups."""
+    found: list[tuple[str, EmbeddingLookup]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, EmbeddingLookup) and not any(name.startswith(f"{outer}.") or outer == ""
+                                                           for outer, _ in found):
+            found.append((name, module))
+    return found

@@ -22,7 +22,7 @@ import torch
 from deeprec.errors import ConfigError
 from deeprec.nn.disk_rows import DiskRows
 from deeprec.nn.options import GlobalStepEvict, L2WeightEvict, StorageOption
-from deeprec.nn.variable import EmbeddingVariable, KeyIndex, shard_of
+from deeprec.nn.variable import EmbeddingVariable, KeyIndex, embedding_variable, shard_of
 
 _MIN_CACHE_ROWS = 16
 
@@ -37,7 +37,18 @@ class _Held:
 
 
 class TieredEmbeddingVariable(EmbeddingVariable):
-    """An EmbeddingVariable whose `ev_option.storage` has an ssd tier (made by EmbeddingVariable(...))."""
+    """An EmbeddingVariable whose `ev_option.storage` has an ssd tier (`dr.nn.embedding_variable(...)` picks
+    this class for such a storage)."""
+
+    _tiered = True
+
+    @property
+    def can_prefetch(self) -> bool:
+        return self.option.storage.prefetch
+
+    def prefetch(self, keys, train: bool) -> None:
+        """SmartStage's stage: the staged keys' rows promoted into DRAM for the next lookup."""
+        self.prefetch_rows(torch.as_tensor(keys).reshape(-1).cpu())
 
     # -- storage ---------------------------------------------------------------------------
     def _reset(self, capacity: int) -> None:
@@ -255,7 +266,7 @@ class TieredEmbeddingVariable(EmbeddingVariable):
             return torch.full_like(rows, -1)
         if generation.moves == self._moves:  # no row left DRAM since the lookup: the rows still hold
             return rows
-        # no new tick: rows found for one update (FusedLookup.step finds several lookups' rows
+        # no new tick: rows found for one update (apply_pending finds several lookups' rows
         # before it applies them) stay protected from each other's promotions
         found, _ = self._make_resident(generation.keys)
         return torch.where(generation.admitted, found, -1)  # not admitted at lookup: no update, as in DRAM
@@ -384,7 +395,7 @@ def _with_storage(ev: EmbeddingVariable, storage: StorageOption, state: dict, op
                   name: str | None = None) -> EmbeddingVariable:
     """A new EmbeddingVariable like `ev` (options, shard, slots, mode, step) with this storage,
     holding `state`'s rows."""
-    out = EmbeddingVariable(ev.embedding_dim, key_dtype=ev.key_dtype, ev_option=dataclasses.replace(
+    out = embedding_variable(ev.embedding_dim, key_dtype=ev.key_dtype, ev_option=dataclasses.replace(
         ev.option, storage=storage), name=name or ev.name, shard_index=ev.shard_index, num_shards=ev.num_shards)
     out.attach_slots(dict(ev._slot_init))
     out.optimizer, out.training = optimizer, ev.training

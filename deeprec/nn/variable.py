@@ -14,6 +14,13 @@ in backward, while another thread saves) are not trusted: each compaction starts
 a new `generation` and keeps the old -> new row map, and an update translates its
 rows to the current generation (rows of evicted keys get no update). A lookup
 finds its rows and reads their values under one lock hold (`lookup`).
+
+As a layer (`ev(ids)`, an `EmbeddingLookup`) its row gradients are kept until the end of the
+backward pass, then merged and applied as one optimizer step: an EV called for two features gets
+one update, like a shared table of an EmbeddingCollection (and TensorFlow's sparse apply).
+Micro-batching keeps them until the optimizer step (`defer_updates`, `apply_pending`).
+Rows in DRAM and on disk: `TieredEmbeddingVariable`, or `embedding_variable(...)`, which picks
+the class the option's storage needs.
 """
 from __future__ import annotations
 
@@ -27,8 +34,9 @@ from pandas._libs.hashtable import Int64HashTable
 from torch import nn
 
 from deeprec.errors import ConfigError
-from deeprec.nn.lookup import RowGather
+from deeprec.nn.lookup import EmbeddingLookup, RowGather
 from deeprec.nn.options import CBFFilter, CounterFilter, EmbeddingVariableOption, GlobalStepEvict, L2WeightEvict
+from deeprec.optim.sparse import merge_rows
 
 PARTITION_MOD = 1000  # DeepRec partitions keys by key % 1000 % num_shards
 _SAVING = threading.local()
@@ -92,18 +100,26 @@ def _grown(t: torch.Tensor, size: int) -> torch.Tensor:
     return out
 
 
-class EmbeddingVariable(nn.Module):
-    def __new__(cls, *args, ev_option: EmbeddingVariableOption | None = None, **kwargs):
-        if cls is EmbeddingVariable and ev_option is not None and ev_option.storage.tiered:
-            from deeprec.nn.tiered import TieredEmbeddingVariable  # rows in DRAM and on disk
+def embedding_variable(embedding_dim: int, *, ev_option: EmbeddingVariableOption | None = None,
+                       **kwargs) -> "EmbeddingVariable":
+    """An EmbeddingVariable with the storage `ev_option` asks for: a `TieredEmbeddingVariable`
+    when it has an ssd tier, else a plain one (rows in DRAM). Takes EmbeddingVariable's arguments."""
+    if ev_option is not None and ev_option.storage.tiered:
+        from deeprec.nn.tiered import TieredEmbeddingVariable  # imports this module
 
-            cls = TieredEmbeddingVariable
-        return super().__new__(cls)
+        return TieredEmbeddingVariable(embedding_dim, ev_option=ev_option, **kwargs)
+    return EmbeddingVariable(embedding_dim, ev_option=ev_option, **kwargs)
 
+
+class EmbeddingVariable(EmbeddingLookup):
     def __init__(self, embedding_dim: int, *, key_dtype: torch.dtype = torch.int64,
                  ev_option: EmbeddingVariableOption | None = None, name: str | None = None,
                  shard_index: int = 0, num_shards: int = 1, initial_capacity: int = 1024):
         super().__init__()
+        if ev_option is not None and ev_option.storage.tiered and not self._tiered:
+            raise ConfigError(f"EmbeddingVariable{f' {name!r}' if name else ''}: a StorageOption with an ssd tier "
+                              "needs dr.nn.TieredEmbeddingVariable(...), or dr.nn.embedding_variable(...), which "
+                              "picks the class for the storage")
         if key_dtype not in (torch.int64, torch.int32):
             raise ConfigError(f"key_dtype must be torch.int64 or torch.int32, got {key_dtype}")
         if not 0 <= shard_index < num_shards:
@@ -120,7 +136,12 @@ class EmbeddingVariable(nn.Module):
         self._token = torch.zeros(0, requires_grad=True)  # makes autograd call RowGather.backward
         self.generation = 0  # bumped by every compaction or full load (rows renumbered)
         self._row_maps: dict[int, torch.Tensor | None] = {}  # generation g -> row map into g + 1
+        self._kept_grads: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (rows, grad, generation) per lookup
+        self._deferred = False  # micro-batching: keep the gradients until the optimizer step
+        self._apply_queued = False  # an end-of-backward callback will apply the kept gradients
         self._reset(initial_capacity)
+
+    _tiered = False  # TieredEmbeddingVariable: rows in DRAM and on disk
 
     # -- copies (copy.deepcopy, pickle): the lock and the hash indexes are rebuilt ---------
     def __getstate__(self):
@@ -156,10 +177,13 @@ class EmbeddingVariable(nn.Module):
         ids = torch.as_tensor(ids)
         keys, inverse, counts = torch.unique(ids.reshape(-1).to(torch.int64), return_inverse=True,
                                              return_counts=True)
-        rows, values, generation = self.lookup(keys, counts, train=self.training)
+        if self._kept_grads and not self._deferred and self.training:
+            self.check_applied()
+        rows, values, generation = self.lookup(keys.cpu(), counts.cpu(), train=self.training)  # a host table
         if self.training and torch.is_grad_enabled():
             values = RowGather.apply(self._token, Gathered(values), rows,
                                      functools.partial(self._receive, generation=generation))
+        values = values.to(ids.device)  # differentiable: gradients come back to the host rows
         return values[inverse].reshape(*ids.shape, self.embedding_dim)
 
     def lookup(self, keys: torch.Tensor, counts: torch.Tensor | None = None, train: bool = True):
@@ -174,9 +198,47 @@ class EmbeddingVariable(nn.Module):
             named = f" {self.name!r}" if self.name else ""
             raise RuntimeError(f"EmbeddingVariable{named} got a gradient but has no row-sparse optimizer: "
                                "ev.set_optimizer(deeprec.optim.Adagrad(lr=...)) or deeprec.optim.make_optimizer(model)")
-        self.optimizer.begin_step()
-        self.global_step = self.optimizer.step_count
-        self.apply_update(self.optimizer, rows, grad, generation)
+        self._kept_grads.append((rows, grad, generation))
+        if not self._deferred and not self._apply_queued:  # once all of this backward's lookups are in
+            self._apply_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._apply_after_backward)
+
+    def _apply_after_backward(self) -> None:
+        self._apply_queued = False
+        if not self._deferred:
+            self.apply_pending()
+
+    # -- EmbeddingLookup -----------------------------------------------------------------
+    @property
+    def updates_in_backward(self) -> bool:
+        return self.optimizer is not None and not self._deferred
+
+    def defer_updates(self, defer: bool) -> None:
+        self._deferred = defer
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._kept_grads)
+
+    def apply_pending(self) -> None:
+        """The gradients of every lookup since the last update: rows renumbered to the current
+        generation, merged (a row looked up twice gets the sum), one optimizer step."""
+        if not self._kept_grads:
+            return
+        with self._lock:
+            pending, self._kept_grads = self._kept_grads, []
+            rows = torch.cat([self.current_rows(r, g) for r, _, g in pending])
+            rows, grad = merge_rows(rows, torch.cat([g for _, g, _ in pending]))
+            self.optimizer.begin_step()
+            self.global_step = self.optimizer.step_count
+            self.apply_update(self.optimizer, rows, grad, self.generation)
+
+    def discard_pending(self) -> None:
+        self._kept_grads.clear()
+
+    @property
+    def can_prefetch(self) -> bool:
+        return False  # all rows are in DRAM already
 
     # -- storage ------------------------------------------------------------------------
     def _reset(self, capacity: int) -> None:

@@ -57,6 +57,14 @@ def _columns(cols, what: str) -> tuple[list[Ragged], bool]:
     return [_strings(cols, what)], True
 
 
+def _count_columns(cols, *args, **kwargs) -> int | None:
+    """How many tensors a hash op returns for `cols`: one per column of a list, None for one column."""
+    if isinstance(cols, (list, tuple)) and not isinstance(cols, Ragged) and \
+            not (len(cols) == 2 and isinstance(cols[0], torch.Tensor)):
+        return len(cols)
+    return None
+
+
 def _num_buckets(value, count: int) -> list[int]:
     values = [value] * count if isinstance(value, numbers.Integral) else list(value)
     if len(values) != count:
@@ -67,28 +75,28 @@ def _num_buckets(value, count: int) -> list[int]:
     return [int(n) for n in values]
 
 
-@op
+@op(outputs=_count_columns)
 def string_to_hash_bucket(col, num_buckets, hash: str = "siphash"):
     """Hash each string into [0, num_buckets): int64 [B] (the role of `tf.strings.to_hash_bucket_fast`).
 
     `col` may be a list of string columns (one op call for all of them; `num_buckets`
-    an int or one per column): returns a list of tensors.
+    an int or one per column): returns a tuple of tensors, one per column.
     """
     check_choice("hash", hash, HASHES)
     cols, single = _columns(col, "string_to_hash_bucket")
     out = torch.ops.deeprec.string_to_hash_bucket([c.values for c in cols], [c.offsets for c in cols],
                                                   _num_buckets(num_buckets, len(cols)), hash)
-    return out[0] if single else out
+    return out[0] if single else tuple(out)
 
 
-@op
+@op(outputs=_count_columns)
 def string_to_hash_key(col, hash: str = "siphash"):
     """The 63-bit hash of each string as an int64 key (>= 0): ids for an EmbeddingVariable,
-    which needs no bucket count. A list of columns gives a list of tensors."""
+    which needs no bucket count. A list of columns gives a tuple of tensors, one per column."""
     check_choice("hash", hash, HASHES)
     cols, single = _columns(col, "string_to_hash_key")
     out = torch.ops.deeprec.string_to_hash_key([c.values for c in cols], [c.offsets for c in cols], hash)
-    return out[0] if single else out
+    return out[0] if single else tuple(out)
 
 
 @op
@@ -124,7 +132,7 @@ def bucketize(x: torch.Tensor, boundaries: Sequence[float]) -> torch.Tensor:
     return torch.ops.deeprec.bucketize(x, bounds.to(x.dtype))
 
 
-@op
+@op(outputs=2)
 def dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted unique ids, inverse) with unique[inverse] == ids: look up each id once."""
     return torch.ops.deeprec.dedup(ids)

@@ -5,6 +5,10 @@ strings, numpy). A function decorated with `@op` is recorded as one
 `call_function` node instead, so graph passes can move it (e.g. SmartStage
 puts it in the background stage) without looking inside. Unlike
 `torch.fx.wrap`, this works however the function was imported.
+
+An op returning several values declares how many (`outputs=`): traced, its result is then
+a tuple of that many values (one getitem node each), so `for k in keys`, `zip(...)`
+and `len(...)` work on it as on the eager result.
 """
 from __future__ import annotations
 
@@ -33,12 +37,14 @@ def _first_proxy(value: Any) -> torch.fx.Proxy | None:
     return None
 
 
-def op(fn: Callable | None = None, *, stateful: bool = False):
-    """Decorator: `@op` or `@op(stateful=True)`.
+def op(fn: Callable | None = None, *, stateful: bool = False,
+       outputs: int | Callable[..., int | None] | None = None):
+    """Decorator: `@op`, `@op(stateful=True)`, `@op(outputs=2)`.
 
     A stateful op (one that reads or writes state outside its arguments, such
     as a counter or a lookup into a growing table) is never moved ahead of
-    the step that owns that state.
+    the step that owns that state. `outputs`: how many values the op returns as a
+    tuple, or a function of the op's arguments saying so (None: one value).
     """
 
     def decorate(func: Callable) -> Callable:
@@ -47,9 +53,11 @@ def op(fn: Callable | None = None, *, stateful: bool = False):
             if not is_fx_symbolic_tracing():  # the common case, checked without walking the arguments
                 return func(*args, **kwargs)
             proxy = _first_proxy((args, kwargs))
-            if proxy is not None:
-                return proxy.tracer.create_proxy("call_function", wrapper, args, kwargs)
-            return func(*args, **kwargs)
+            if proxy is None:
+                return func(*args, **kwargs)
+            node = proxy.tracer.create_proxy("call_function", wrapper, args, kwargs)
+            count = outputs(*args, **kwargs) if callable(outputs) else outputs
+            return node if count is None else tuple(node[i] for i in range(count))
 
         wrapper.__deeprec_op__ = True
         wrapper.__deeprec_stateful__ = stateful

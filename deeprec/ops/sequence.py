@@ -69,7 +69,7 @@ def truncate_ragged(r, max_length: int) -> Ragged:
     return Ragged(values, torch.cat([torch.zeros(1, dtype=torch.long), kept.cumsum(0)]))
 
 
-@op
+@op(outputs=2)
 def pad_ragged(r, max_length: int, pad_value: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """int64 ids [B, max_length] with the last max_length items of each row, oldest first,
     then `pad_value`; mask [B, max_length] is True on real items. Empty rows are all padding."""

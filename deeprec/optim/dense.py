@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from deeprec.errors import check_choice
+from deeprec.optim.sparse import row_sparse_optimizer
 
 OPTIMIZERS = ("adagrad", "adam", "sgd")  # the names make_optimizer (and `deeprec train --optimizer`) takes
 
@@ -22,8 +23,8 @@ def sparse_parameters(model: nn.Module) -> set[int]:
 
 class OptimizerGroup:
     """Several torch optimizers stepped as one (state_dict keeps them apart), and the
-    embedding lookups whose row-sparse update was kept for the step (micro-batching:
-    rows seen in several micro-batches are merged, then updated once)."""
+    embedding lookups (`deeprec.nn.EmbeddingLookup`) whose row-sparse update was kept for
+    the step (micro-batching: rows seen in several micro-batches are merged, then updated once)."""
 
     def __init__(self, optimizers: list[torch.optim.Optimizer], lookups: list = ()):
         self.optimizers, self.lookups = optimizers, list(lookups)
@@ -32,14 +33,14 @@ class OptimizerGroup:
         for opt in self.optimizers:
             opt.step()
         for lookup in self.lookups:
-            lookup.step()  # nothing kept (the update ran fused in backward): nothing to do
+            lookup.apply_pending()  # nothing kept (the update ran in backward): nothing to do
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the dense gradients and the embedding rows kept for the step."""
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)
         for lookup in self.lookups:
-            lookup.zero_grad()
+            lookup.discard_pending()
 
     def state_dict(self) -> dict:
         return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
@@ -51,21 +52,19 @@ class OptimizerGroup:
 
 def attach_row_sparse(model: nn.Module, name: str, lr: float) -> list:
     """Give every EmbeddingCollection and every free EmbeddingVariable in `model` the row-sparse
-    version of `name` (its update runs fused in the backward); returns the collections' lookups."""
+    version of `name` (its update runs in the backward, or at the optimizer step when micro-batching
+    keeps it); returns their lookups (deeprec.nn.EmbeddingLookup)."""
     from deeprec.nn.collection import EmbeddingCollection
+    from deeprec.nn.lookup import embedding_lookups
     from deeprec.nn.variable import EmbeddingVariable
-    from deeprec.optim import sparse
 
-    kinds = {"adagrad": lambda: sparse.Adagrad(lr=lr, initial_accumulator_value=0.1),
-             "adam": lambda: sparse.Adam(lr=lr), "sgd": lambda: sparse.SGD(lr=lr)}
     collections = [m for m in model.modules() if isinstance(m, EmbeddingCollection)]
     for collection in collections:
-        collection.set_optimizer(kinds[name]())
-    owned = {id(ev) for c in collections for ev in c.modules() if isinstance(ev, EmbeddingVariable)}
-    free = [m for m in model.modules() if isinstance(m, EmbeddingVariable) and id(m) not in owned]
+        collection.set_optimizer(row_sparse_optimizer(name, lr))
+    free = [m for _, m in embedding_lookups(model) if isinstance(m, EmbeddingVariable)]
     for ev in free:  # used as ev(ids): each gets its own row-sparse optimizer
-        ev.set_optimizer(kinds[name]())
-    return [c.lookup for c in collections]
+        ev.set_optimizer(row_sparse_optimizer(name, lr))
+    return [c.lookup for c in collections] + free
 
 
 def make_optimizer(model: nn.Module, name: str = "adagrad", lr: float = 0.05) -> OptimizerGroup:

@@ -25,6 +25,7 @@ import math
 import torch
 
 import deeprec._C  # noqa: F401  (registers torch.ops.deeprec.sparse_*)
+from deeprec.errors import ConfigError
 
 
 def merge_rows(rows: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,4 +138,15 @@ class FTRL(RowSparseOptimizer):
         weight.index_copy_(0, rows, new_w)
 
 
-ROW_SPARSE = {"sgd": SGD, "adagrad": Adagrad, "adam": Adam, "adamasync": AdamAsync, "ftrl": FTRL}  # by name, for the PS
+ROW_SPARSE = {"sgd": SGD, "adagrad": Adagrad, "adam": Adam, "adamasync": AdamAsync, "ftrl": FTRL}  # the one name map
+
+
+def row_sparse_optimizer(name: str, lr: float, error: type[Exception] = ConfigError) -> RowSparseOptimizer:
+    """The row-sparse optimizer `name` (a key of ROW_SPARSE) with its defaults; a bad name or lr
+    raises `error` (the PS answers a bad request with its WireError)."""
+    if name not in ROW_SPARSE:
+        raise error(f"optimizer {name!r} is not one of {', '.join(ROW_SPARSE)}")
+    try:
+        return ROW_SPARSE[name](lr=lr)
+    except ValueError as err:  # lr <= 0 and the like
+        raise error(f"optimizer {name!r}: {err}") from None

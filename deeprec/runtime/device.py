@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from deeprec.errors import ConfigError
+from deeprec.nn.lookup import EmbeddingLookup, embedding_lookups
 
 DEVICES = ("cpu", "cuda", "auto")
 DEVICE_MEMORY_SHARE = 0.8  # of the device's memory, for the tables: the rest for activations
@@ -43,9 +44,9 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _lookups(model: nn.Module) -> dict[str, nn.Module]:
-    """The embedding lookups (FusedLookup, collective ShardedLookup): modules holding tables."""
-    return {name: m for name, m in model.named_modules() if getattr(m, "_deeprec_row_sparse", False)}
+def _lookups(model: nn.Module) -> dict[str, EmbeddingLookup]:
+    """The embedding lookups whose tables live in this process (not on parameter servers)."""
+    return {name: m for name, m in embedding_lookups(model) if m.holds_tables}
 
 
 def _bytes(tensors) -> int:
@@ -68,7 +69,7 @@ def place_tables(model: nn.Module, device: torch.device) -> list[str]:
     if device.type == "cpu":
         return []
     lookups = _lookups(model)
-    host = {n for n, m in lookups.items() if all(m.dynamic)}  # EmbeddingVariables: host hash tables
+    host = {n for n, m in lookups.items() if m.hash_tables}  # EmbeddingVariables: host hash tables
     size = {n: m.table_nbytes() for n, m in lookups.items()}
     dense = _bytes(model.parameters()) - sum(_bytes(m.parameters()) for m in lookups.values())
     budget = DEVICE_MEMORY_SHARE * torch.cuda.get_device_properties(device).total_memory - dense

@@ -6,9 +6,10 @@
 
 For a loss that is a mean over rows, sum_k (n_k / B) * grad(loss_k) is exactly the
 full-batch gradient, also for an uneven split (sizes differ by at most one row,
-like numpy.array_split). Embedding rows of an EmbeddingCollection are kept
-until the last micro-batch, rows seen in several are merged, then one row-sparse
-update. The reader is wrapped, never copied: each batch is read once.
+like numpy.array_split). Embedding rows of every lookup that updates them in
+backward (`EmbeddingLookup.updates_in_backward`: an EmbeddingCollection, a free
+EmbeddingVariable, a collective ShardedLookup) are kept until the optimizer step,
+rows seen in several micro-batches merged, then one row-sparse update. The reader is wrapped, never copied: each batch is read once.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from deeprec.errors import ConfigError
+from deeprec.nn.lookup import EmbeddingLookup, embedding_lookups
 from deeprec.ragged import Ragged
 
 
@@ -106,8 +108,6 @@ def combine_outputs(outputs: list[dict], sizes: list[int]) -> dict:
     return combined
 
 
-def deferred_lookups(model: torch.nn.Module) -> list:
-    """The fused embedding lookups whose row-sparse update runs inside backward (FusedLookup,
-    the collective ShardedLookup)."""
-    return [m for m in model.modules()
-            if getattr(m, "_deeprec_row_sparse", False) and m.optimizer is not None and m.fused]
+def deferred_lookups(model: torch.nn.Module) -> list[EmbeddingLookup]:
+    """The embedding lookups whose row-sparse update runs inside backward: micro-batching defers them."""
+    return [m for _, m in embedding_lookups(model) if m.updates_in_backward]

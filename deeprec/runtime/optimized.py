@@ -2,6 +2,7 @@
 
     fast = dr.optimize(model, dr.Config(smart_stage=True))
     fast(batch)                      # stage then main, same outputs as model(batch)
+    out = fast.forward_backward(batch)   # forward and backward (per micro-batch); then optimizer.step()
     for out in fast.iterate(reader): # stage runs ahead in background threads
         ...
     with dr.make_prefetch_hook(fast, reader) as batches:   # hand-written loop
@@ -25,6 +26,7 @@ from deeprec.graph.capture import capture
 from deeprec.graph.markers import staged
 from deeprec.graph.smart_stage import StagePartition, smart_stage_pass
 from deeprec.graph.multi_stream import stream_summary
+from deeprec.nn.lookup import EmbeddingLookup, embedding_lookups
 from deeprec.nn.tiered import describe_tiers, tier_summary
 from deeprec.runtime.auto_stage import run_auto
 from deeprec.runtime.hardware import fast_bf16
@@ -62,11 +64,12 @@ class OptimizedModel(nn.Module):
         self.partition: StagePartition | None = None
         if config.smart_stage or has_marker:
             self.partition = smart_stage_pass(self.graph_module, smart_stage=config.smart_stage)
-        self.async_lookups: list[tuple[nn.Module, int]] = []  # (FusedLookup, index of its keys in the cut)
+        # lookups fed by the stage that prepare batch t+1's rows while batch t trains: (lookup, index of
+        # its keys in the cut); PS pulls read the rows ahead (opt-in), tiered storage only moves them
+        self.async_lookups: list[tuple[EmbeddingLookup, int]] = []
         if config.async_embedding:
-            self.async_lookups = _async_lookups(self.graph_module, self.partition)
-        # tiered EmbeddingVariables: the stage promotes batch t+1's rows from disk while batch t trains
-        self.tier_lookups = _tier_lookups(self.graph_module, self.partition)
+            self.async_lookups = _prefetching_lookups(self.graph_module, self.partition, reads_rows=True)
+        self.tier_lookups = _prefetching_lookups(self.graph_module, self.partition, reads_rows=False)
         self.main_step: MainStep | None = None  # streams / compile / bf16 applied to the step's graph
         if (config.multi_stream is not None and config.multi_stream.policy != "none") or config.graph_fusion \
                 or config.bf16 or config.tf32:
@@ -74,7 +77,9 @@ class OptimizedModel(nn.Module):
         self.last_source_state = None  # reader position after the last batch iterate() yielded
         self.prefetch_stats = None
         self.auto_decision = None  # SmartStageOptions(executor="auto"): what it picked and why
-        self.collective = any(getattr(m, "_deeprec_collective", False) for m in model.modules())
+        # a lookup whose backward pairs with other ranks': a step's backward always runs
+        self.collective = any(lookup.must_run_backward for _, lookup in embedding_lookups(model))
+
     @property
     def staged(self) -> bool:
         return self.partition is not None and self.partition.stage is not None
@@ -96,26 +101,27 @@ class OptimizedModel(nn.Module):
         with record_function("deeprec.main"):
             return (self.main_step or self.partition.main)(*make_ready(item, self.device))
 
-    def step(self, batch) -> dict:
+    def forward_backward(self, batch) -> dict:
         """Forward and backward of one batch (per micro-batch when micro_batch_num > 1);
         gradients accumulate in `.grad`. Returns the outputs, detached, loss averaged.
-        The caller then runs `optimizer.step()`."""
+        The caller then runs `optimizer.step()` (the optimizer step)."""
         n = self.config.micro_batch_num
         if n == 1:
             return self._accumulate([batch], [1])
         if isinstance(batch, StagedBatch):
-            raise TypeError("micro-batching splits the raw batch: call step() with it (iterate() stages ahead)")
+            raise TypeError("micro-batching splits the raw batch: call forward_backward() with it "
+                            "(iterate() stages ahead)")
         parts = split_batch(batch, n)
         return self._accumulate(parts, [batch_rows(p) for p in parts])
 
     def _accumulate(self, items: list, sizes: list[int]) -> dict:
-        """Forward and backward of each micro-batch; embedding rows of a fused lookup are
-        kept over all of them, for the optimizer's step (deeprec.optim.OptimizerGroup)."""
+        """Forward and backward of each micro-batch; the embedding rows of lookups that update
+        in backward are kept over all of them, for the optimizer's step (deeprec.optim.OptimizerGroup)."""
         total, outputs = sum(sizes), []
         deferred = deferred_lookups(self.model) if len(items) > 1 else []
         for lookup in deferred:
             lookup.check_applied()
-            lookup.fused = False
+            lookup.defer_updates(True)
         finite = True
         try:
             for item, size in zip(items, sizes):
@@ -131,7 +137,7 @@ class OptimizedModel(nn.Module):
                     (out["loss"] * (size / total)).backward()
         finally:
             for lookup in deferred:
-                lookup.fused = True
+                lookup.defer_updates(False)
         if not finite:
             return {**combine_outputs(outputs[-1:], [1]), "nonfinite": "loss"}
         out = combine_outputs(outputs, sizes)
@@ -154,7 +160,7 @@ class OptimizedModel(nn.Module):
     def iterate(self, reader, backward: bool = False, before_step=None):
         """Yield the outputs for each batch of `reader`, the stage running ahead.
 
-        backward=True: each batch is a training step (`step()`: per micro-batch,
+        backward=True: each batch is a training step (`forward_backward()`: per micro-batch,
         gradients accumulated); call `optimizer.step()` after each. `before_step()`
         runs before each batch's forward (e.g. a PS pull). A generator: leaving the
         loop early closes it and joins the stage threads.
@@ -164,7 +170,7 @@ class OptimizedModel(nn.Module):
             for batch in reader:
                 if before_step is not None:
                     before_step()
-                out = self.step(batch) if backward else self(batch)
+                out = self.forward_backward(batch) if backward else self(batch)
                 self.last_source_state = reader.state_dict() if hasattr(reader, "state_dict") else None
                 yield out
             return
@@ -243,7 +249,7 @@ class PrefetchHook:
 
     def __exit__(self, *exc) -> None:
         self.runner.close()
-        for lookup, _ in self.fast.async_lookups:
+        for lookup, _ in self.fast.async_lookups + self.fast.tier_lookups:
             lookup.discard_prefetched()  # batches staged but never trained on
         torch.set_num_threads(self._saved_threads)
 
@@ -264,20 +270,11 @@ def _stage_fed_lookups(gm: torch.fx.GraphModule, partition: StagePartition | Non
     return found
 
 
-def _async_lookups(gm: torch.fx.GraphModule, partition: StagePartition | None) -> list:
-    """The remote embedding lookups (rows on parameter servers: they can `prefetch`) fed by the stage."""
-    return _stage_fed_lookups(gm, partition, lambda module: hasattr(module, "prefetch"))
-
-
-def _prefetches(ev) -> bool:
-    """A tiered EmbeddingVariable whose StorageOption asks SmartStage to promote its rows ahead."""
-    return hasattr(ev, "prefetch_rows") and ev.option.storage.prefetch
-
-
-def _tier_lookups(gm: torch.fx.GraphModule, partition: StagePartition | None) -> list:
-    """Fused lookups with a tiered EmbeddingVariable to prefetch, fed by the stage."""
-    return _stage_fed_lookups(gm, partition,
-                              lambda module: any(_prefetches(ev) for ev in getattr(module, "variables", ())))
+def _prefetching_lookups(gm: torch.fx.GraphModule, partition: StagePartition | None, reads_rows: bool) -> list:
+    """The lookups fed by the stage that can prefetch: those whose prefetch reads the rows (a PS
+    pull, `reads_rows=True`), or those whose prefetch only moves them (tiered storage)."""
+    return _stage_fed_lookups(gm, partition, lambda module: isinstance(module, EmbeddingLookup)
+                              and module.can_prefetch and module.prefetch_reads_rows == reads_rows)
 
 
 def _start_pulls(lookups: list, tier_lookups: list = ()):
@@ -289,9 +286,7 @@ def _start_pulls(lookups: list, tier_lookups: list = ()):
                 lookup.prefetch(values[index], train=lookup.training)
         for lookup, index in tier_lookups:
             with record_function("deeprec.tiers.prefetch"):
-                for ev, keys in zip(lookup.variables, values[index]):
-                    if _prefetches(ev):
-                        ev.prefetch_rows(keys)
+                lookup.prefetch(values[index], train=lookup.training)
     return pull
 
 
@@ -351,9 +346,8 @@ def explain(fast: OptimizedModel) -> str:
 
 def _explain_step(fast: OptimizedModel) -> list[str]:
     cfg, step, lines = fast.config, fast.main_step, []
-    for module in fast.model.modules():  # collective training's ShardedLookups: their sharding plans
-        if getattr(module, "_deeprec_row_sparse", False) and hasattr(module, "explain"):
-            lines += module.explain()
+    for _, lookup in embedding_lookups(fast.model):  # e.g. collective training's sharding plans
+        lines += lookup.explain()
     tiers = tier_summary(fast.model)
     if tiers is not None:
         lines.append(describe_tiers(tiers))
