@@ -7,7 +7,8 @@ temporary working folder (and so does the README's Python example).
   commands before it on its page first.
 - The folder holds what the commands name: `day_0.tsv`, `day_1.tsv`, `day_2.tsv` (`deeprec data
   synth`), `behavior.tsv`, `my_clicks.csv`, the files of the pages' ```toml blocks whose first line
-  is `# name.toml`, `examples/`, and `deeprec/data/samples/` (the bundled samples).
+  is `# name.toml`, `examples/`, and `deeprec/` (a link to the package: the bundled samples are
+  `deeprec/data/samples/`, as in the repository root).
   `DEEPREC_CACHE` points into the temporary folder.
 - Sizes: `--synthetic N` runs with at most 20,000 rows and `deeprec data synth --rows N` with at
   most 2,000; nothing else is changed.
@@ -147,8 +148,10 @@ def workspace(tmp_path_factory):
 
     root = str(tmp_path_factory.mktemp("docs"))
     base = os.path.join(root, "base")
-    os.makedirs(os.path.join(base, "deeprec", "data"))
-    os.symlink(os.path.join(ROOT, "deeprec", "data", "samples"), os.path.join(base, "deeprec", "data", "samples"))
+    os.makedirs(base)
+    # the package itself, as in the repository root: commands name deeprec/data/samples/..., and a
+    # bare deeprec/ folder in the working folder would shadow the package for `python -m`
+    os.symlink(os.path.join(ROOT, "deeprec"), os.path.join(base, "deeprec"))
     shutil.copytree(os.path.join(ROOT, "examples"), os.path.join(base, "examples"))
     for i in range(3):
         write_synthetic(os.path.join(base, f"day_{i}.tsv"), MAX_SYNTH_ROWS, cardinalities="kaggle", seed=i)
