@@ -22,6 +22,7 @@ from deeprec.models import MODELS
 from deeprec.models.spec import SPEC_HELP
 from deeprec.models.spec import resolve as resolve_model
 from deeprec.optim import OPTIMIZERS
+from deeprec.progress import configure as configure_progress
 from deeprec.nn.tiered import describe_tiers
 
 SAMPLE = "criteo_sample.txt"
@@ -423,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     console = Console(stderr=True)
+    configure_progress(console)  # evaluation, export and synth progress share the CLI's console
     try:
         return args.func(args, console)
     except (ConfigError, FileNotFoundError) as err:  # usage and configuration: exit code 2, as argparse's

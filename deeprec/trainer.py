@@ -29,7 +29,7 @@ from deeprec.checkpoint import remove_stale_temporaries, save_checkpoint
 from deeprec.config import Config, SmartStageOptions
 from deeprec.data import open_reader, resolve_schema, schema_to_dict
 from deeprec.choices import BAD_ROW_POLICIES, CACHE_POLICIES, DENSE_MODES, NAN_POLICIES, PROTOCOLS, STORAGES
-from deeprec.errors import ConfigError, NonFiniteError
+from deeprec.errors import ConfigError, EmptyShardError, NonFiniteError
 from deeprec.models import MODELS
 from deeprec.models.features import EMBEDDINGS
 from deeprec.models.spec import SPEC_HELP, canonical, check_outputs, is_zoo, load_model, same_model
@@ -37,6 +37,8 @@ from deeprec.nn import EmbeddingVariable, StorageOption, incremental_state_dict
 from deeprec.nn.tiered import use_storage
 from deeprec.optim import OPTIMIZERS
 from deeprec.options import build, option
+from deeprec.progress import configure as configure_progress
+from deeprec.progress import get_console as progress_console
 from deeprec.runtime import optimize
 from deeprec.runtime.device import DEVICES, DeviceBatches, resolve_device
 from deeprec.runtime.memory import tune_malloc
@@ -155,8 +157,16 @@ def make_readers(cfg: TrainConfig, schema=None, drop_remainder: bool = False, tr
         return open_reader(cfg.data, cfg.batch_size, **train_kw), open_reader(cfg.eval_data, cfg.eval_batch_size, **eval_kw)
     if cfg.eval_fraction:
         n, train_shards, eval_shard = _holdout_shards(cfg.eval_fraction)
-        return (open_reader(cfg.data, cfg.batch_size, num_shards=n, shard_index=train_shards, **train_kw),
-                open_reader(cfg.data, cfg.eval_batch_size, num_shards=n, shard_index=eval_shard, **eval_kw))
+        train = open_reader(cfg.data, cfg.batch_size, num_shards=n, shard_index=train_shards, **train_kw)
+        try:  # checked when built: an empty held-out shard fails now, not after training
+            held_out = open_reader(cfg.data, cfg.eval_batch_size, num_shards=n, shard_index=eval_shard, **eval_kw)
+        except EmptyShardError as err:
+            fix = (f"use --eval-fraction >= {1 / err.max_shards:.2g} or --eval-data" if err.max_shards >= 2
+                   else "use --eval-data")
+            raise ConfigError(f"--eval-fraction {cfg.eval_fraction} holds out shard {eval_shard + 1} of {n} of "
+                              f"{', '.join(err.paths)}, but the data gives at most {err.max_shards} shard(s) (Parquet: "
+                              f"one per row group; text: byte ranges holding a row): {fix}") from None
+        return train, held_out
     return open_reader(cfg.data, cfg.batch_size, **train_kw), None
 
 
@@ -173,7 +183,9 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, console: Console | None = None, *, model: torch.nn.Module | None = None,
                  strategy: Strategy | None = None):
-        self.cfg, self.console = cfg, console or Console(stderr=True)
+        self.cfg, self.console = cfg, console or progress_console()
+        if not cfg.progress:
+            configure_progress(self.console, enabled=False)
         self.strategy = strategy or LocalStrategy()
         self.strategy.validate(cfg)
         if cfg.threads:

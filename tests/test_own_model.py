@@ -173,3 +173,13 @@ def test_sigterm_checkpoints_and_resume_continues_exactly(tmp_path, sample):
     a = load_checkpoint(latest_checkpoint(str(tmp_path / "run")))["model"]
     b = load_checkpoint(latest_checkpoint(str(tmp_path / "straight")))["model"]
     torch.testing.assert_close(a, b, rtol=0, atol=0)  # exactly
+
+
+def test_an_empty_held_out_shard_fails_before_training(tmp_path, sample):
+    done = deeprec("data", "convert", sample, "--out", str(tmp_path / "s.parquet"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    done = deeprec("train", "--data", str(tmp_path / "s.parquet"), "--eval-fraction", "0.1", "--steps", "5",
+                   cwd=tmp_path)
+    said = " ".join(done.stderr.split())
+    assert done.returncode == 2 and "--eval-fraction 0.1 holds out shard 10 of 10" in said
+    assert "at most 1 shard(s)" in said and "use --eval-data" in said and "step" not in said.split("error:")[0]

@@ -127,9 +127,11 @@ def one_process_state(model: nn.Module, state: dict) -> dict:
         if not rows:
             raise ConfigError(f"the PS checkpoint holds no rows of {name!r}: was it written by this model?")
         out.update({f"{path_of[id(ev)]}.{k}": v for k, v in rows.items()})
-    for name, value in model.state_dict().items():  # shapes as the model's (dense="ps" keeps flat views)
-        if name in out and out[name].numel() == value.numel() and out[name].shape != value.shape:
-            out[name] = out[name].reshape(value.shape)
+    for name, value in model.state_dict().items():
+        if name not in out and name.endswith("_extra_state"):  # a local lookup's optimizer: on the PSs instead
+            out[name] = value
+        elif name in out and out[name].numel() == value.numel() and out[name].shape != value.shape:
+            out[name] = out[name].reshape(value.shape)  # dense="ps" keeps flat views
     return out
 
 
