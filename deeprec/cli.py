@@ -14,7 +14,6 @@ from importlib import resources
 
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from deeprec.choices import BAD_ROW_POLICIES, PROTOCOLS
 from deeprec.errors import ConfigError, DeepRecError
@@ -22,8 +21,8 @@ from deeprec.models import MODELS
 from deeprec.models.spec import SPEC_HELP
 from deeprec.models.spec import resolve as resolve_model
 from deeprec.optim import OPTIMIZERS
+from deeprec.report import summary_table, write_result
 from deeprec.progress import configure as configure_progress
-from deeprec.nn.tiered import describe_tiers
 
 SAMPLE = "criteo_sample.txt"
 MODEL_SAMPLES = {"din": "movielens_sample.txt", "dien": "movielens_sample.txt", "dssm": "movielens_sample.txt",
@@ -135,6 +134,7 @@ def cmd_train(args, console: Console) -> int:
 
     cfg, note, strategy = train_config(args, console)
     console = _rank_console(strategy)
+    configure_progress(console, enabled=cfg.progress)  # evaluation and export draw with the step bar
     if note and strategy.is_chief:
         console.print(f"[bold]{escape(note)}[/bold]")
     try:
@@ -143,7 +143,7 @@ def cmd_train(args, console: Console) -> int:
         console.print(str(stop), highlight=False)
         return stop.exit_code
     if args.json or os.environ.get("DEEPREC_RESULT_DIR"):
-        _write_result(result, args.json, strategy)
+        write_result(result, args.json, strategy)
     if strategy.is_chief:  # one summary per job
         Console().print(summary_table(cfg, result))
     else:
@@ -152,64 +152,6 @@ def cmd_train(args, console: Console) -> int:
         console.print(f"rank {strategy.rank} finished: {result['steps']} steps, {result['rows']:,} rows, "
                       f"{result['samples_per_s']:,.0f} samples/s{evaluated} (rank 0 prints the summary)")
     return 0
-
-
-def _write_result(result: dict, path: str | None, strategy) -> None:
-    """--json PATH (rank R of several: <name>.rank-R.json); under deeprec launch also its result folder,
-    where the launcher adds up the job's totals."""
-    paths = []
-    if path:
-        if strategy.world_size > 1:
-            stem, ext = os.path.splitext(path)
-            path = f"{stem}.rank-{strategy.rank}{ext}"
-        paths.append(path)
-    if os.environ.get("DEEPREC_RESULT_DIR"):
-        paths.append(os.path.join(os.environ["DEEPREC_RESULT_DIR"], f"rank-{strategy.rank}.json"))
-    for p in paths:
-        with open(p, "w") as f:
-            json.dump(result, f, indent=2)
-
-
-def summary_table(cfg, result: dict) -> Table:
-    table = Table(title=f"deeprec train --model {cfg.model}")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    table.add_row("steps", str(result["steps"]))
-    table.add_row("samples/s", f"{result['samples_per_s']:,.0f}" +
-                  (f" (this rank of {result['world_size']})" if result.get("world_size", 1) > 1 else ""))
-    if "job" in result:
-        job = result["job"]
-        table.add_row("job samples/s", f"{job['samples_per_s']:,.0f} ({job['ranks']} ranks, {job['rows']:,} rows)")
-    table.add_row("final train loss", f"{result['final_loss']:.4f}")
-    if "auto" in result:
-        table.add_row("smart stage auto", result["auto"])
-    if "bf16" in result:
-        table.add_row("bf16 auto", result["bf16"])
-    if "malloc" in result:
-        table.add_row("memory", result["malloc"])
-    if "stage" in result:
-        st = result["stage"]
-        table.add_row("smart stage", f"{st['taken']} batches staged ahead, {st['dropped']} dropped, "
-                                     f"{st['ignored']} ignored")
-    if "device" in result:
-        host = result["tables_on_host"]
-        table.add_row("device", result["device"] + (f" (tables on the host: {', '.join(host)})" if host else ""))
-    if "communication" in result:
-        c = result["communication"]
-        table.add_row("all-to-all per step", f"{c['all_to_all_ms']:.2f} ms, {c['all_to_all_bytes'] / 1e3:,.0f} kB sent")
-        table.add_row("all-reduce per step", f"{c['all_reduce_ms']:.2f} ms, {c['all_reduce_bytes'] / 1e3:,.0f} kB sent")
-    if "tiers" in result:
-        table.add_row("tiered storage", describe_tiers(result["tiers"]).split(": ", 1)[1])
-    if result["bad_rows"]:
-        table.add_row("bad rows skipped", str(result["bad_rows"]))
-    if "eval" in result:
-        ev = result["eval"]
-        table.add_row("eval rows", f"{ev['rows']:,}")
-        for name, metrics in (ev.get("tasks") or {"": ev}).items():
-            suffix = f" ({name})" if name else ""
-            table.add_row(f"eval AUC{suffix}", f"{metrics['auc']:.4f}")
-            table.add_row(f"eval logloss{suffix}", f"{metrics['logloss']:.4f}")
-    return table
 
 
 def cmd_launch(args, console: Console) -> int:

@@ -32,12 +32,11 @@ from deeprec.choices import BAD_ROW_POLICIES, CACHE_POLICIES, DENSE_MODES, NAN_P
 from deeprec.errors import ConfigError, EmptyShardError, NonFiniteError
 from deeprec.models import MODELS
 from deeprec.models.features import EMBEDDINGS
-from deeprec.models.spec import SPEC_HELP, canonical, check_outputs, is_zoo, load_model, same_model
+from deeprec.models.spec import SPEC_HELP, canonical, is_zoo, load_model, same_model
 from deeprec.nn import EmbeddingVariable, StorageOption, incremental_state_dict
 from deeprec.nn.tiered import use_storage
 from deeprec.optim import OPTIMIZERS
 from deeprec.options import build, option
-from deeprec.progress import configure as configure_progress
 from deeprec.progress import get_console as progress_console
 from deeprec.runtime import optimize
 from deeprec.runtime.device import DEVICES, DeviceBatches, resolve_device
@@ -184,8 +183,6 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, console: Console | None = None, *, model: torch.nn.Module | None = None,
                  strategy: Strategy | None = None):
         self.cfg, self.console = cfg, console or progress_console()
-        if not cfg.progress:
-            configure_progress(self.console, enabled=False)
         self.strategy = strategy or LocalStrategy()
         self.strategy.validate(cfg)
         if cfg.threads:
@@ -258,7 +255,8 @@ class Trainer:
     def save(self, incremental: bool = False) -> str:
         if incremental:
             with incremental_state_dict():
-                return save_checkpoint(self.cfg.checkpoint_dir, self.step, self.state(), kind="incremental")
+                return save_checkpoint(self.strategy.checkpoint_dir(self.cfg.checkpoint_dir), self.step, self.state(),
+                                       kind="incremental")
         return save_checkpoint(self.strategy.checkpoint_dir(self.cfg.checkpoint_dir), self.step, self.state())
 
     def _restore(self) -> None:
@@ -352,7 +350,7 @@ class Trainer:
         progress, stop = self._progress(), StopOnSignals()
         started = time.perf_counter()
         steps = self.fast.train_steps(self._on_device(self.train_reader), self.updater)
-        with progress, contextlib.closing(steps), stop:
+        with stop, progress, contextlib.closing(steps):
             task = progress.add_task("train", total=total, completed=self.step, loss=float("nan"), rate=0.0)
             while total is None or self.step < total:
                 with record_function("deeprec.step"):
@@ -362,8 +360,6 @@ class Trainer:
                 if "nonfinite" in out:
                     self._nonfinite(out["nonfinite"])
                     continue
-                if self.step == start_step + 1:
-                    check_outputs(out, self.spec)
                 if self.step - start_step == STEADY_AFTER:
                     steady = (time.perf_counter(), rows + len(out["logits"]))
                 rows += len(out["logits"])
@@ -375,13 +371,16 @@ class Trainer:
                 self._after_step(progress)
                 if self.strategy.agree(stop.requested):
                     self._stop(stop.signal)
-        self.updater.finish()
-        if self.exports is not None:
-            self._export_now(final=True)  # the served model catches up with the trained one
-        elapsed = time.perf_counter() - started
-        if cfg.checkpoint_dir and self.step > start_step:
-            self.save()
-        return self._result(start_step, rows, losses, steady, started, elapsed)
+        with stop:  # a signal during the tail: it completes, then the run says it was stopped
+            self.updater.finish()
+            if self.exports is not None:
+                self._export_now(final=True)  # the served model catches up with the trained one
+            elapsed = time.perf_counter() - started
+            saved = self.save() if cfg.checkpoint_dir and self.step > start_step else None
+            result = self._result(start_step, rows, losses, steady, started, elapsed, evaluate=not stop.requested)
+        if stop.requested:
+            raise Interrupted(stop.signal, self.step, saved)
+        return result
 
     def _stop(self, signum: int) -> None:
         """A signal asked the run to stop: the step is done; checkpoint it and say where."""
@@ -389,7 +388,7 @@ class Trainer:
         path = self.save() if self.cfg.checkpoint_dir else None
         raise Interrupted(signum, self.step, path)
 
-    def _result(self, start_step, rows, losses, steady, started, elapsed) -> dict:
+    def _result(self, start_step, rows, losses, steady, started, elapsed, evaluate: bool = True) -> dict:
         result = {"steps": self.step, "steps_this_run": self.step - start_step, "rows": rows,
                   "seconds": elapsed, "samples_per_s": rows / elapsed if elapsed > 0 else 0.0,
                   "final_loss": losses[-1] if losses else math.nan,
@@ -414,7 +413,7 @@ class Trainer:
             result["auto_executor"] = self.fast.auto_decision.executor
         if self.eval_history:
             result["eval_history"] = self.eval_history
-        if self.eval_reader is not None and self.strategy.evaluates:
+        if self.eval_reader is not None and self.strategy.evaluates and evaluate:
             result["eval"] = self._evaluate()
         return result
 

@@ -183,3 +183,113 @@ def test_an_empty_held_out_shard_fails_before_training(tmp_path, sample):
     said = " ".join(done.stderr.split())
     assert done.returncode == 2 and "--eval-fraction 0.1 holds out shard 10 of 10" in said
     assert "at most 1 shard(s)" in said and "use --eval-data" in said and "step" not in said.split("error:")[0]
+
+
+def _scores(model, batch):
+    with torch.no_grad():
+        model.eval()
+        return torch.sigmoid(model(batch)["logits"])
+
+
+@pytest.mark.slow
+def test_own_model_with_tiered_storage_serves_its_exports_and_deltas_while_training(tmp_path, sample):
+    from deeprec.cli import model_from_checkpoint
+    from deeprec.data import open_reader
+    from deeprec.serving.online import ExportFolder
+    from deeprec.trainer import TrainConfig, Trainer
+
+    cfg = TrainConfig(model=SPEC, data=[sample], steps=9, batch_size=16, progress=False, storage="ssd",
+                      dram_bytes=26 * 20_000, storage_path=str(tmp_path / "disk"), checkpoint_dir=str(tmp_path / "ck"),
+                      export_dir=str(tmp_path / "live"), export_every=6, export_incremental_every=3)
+    result = Trainer(cfg).train()
+    assert result["tiers"]["variables"] == 26 and result["tiers"]["disk_rows"] > 0  # the budget pushed rows to disk
+    names = sorted(os.listdir(tmp_path / "live"))
+    assert "full-000000006" in names and "delta-000000009.json" in names  # a full export, then a delta
+    served = ExportFolder(str(tmp_path / "live")).load()
+    model, state, schema, _ = model_from_checkpoint(str(tmp_path / "ck"))
+    assert served.step == int(state["step"]) == 9
+    batch = next(iter(open_reader([sample], 40, schema=schema)))
+    assert torch.allclose(served(batch), _scores(model, batch), atol=1e-6)
+
+
+@pytest.mark.slow
+def test_own_model_on_a_ps_job_exports_while_training(tmp_path, sample):
+    from deeprec.cli import model_from_checkpoint
+    from deeprec.data import open_reader
+    from deeprec.serving.online import ExportFolder
+
+    done = deeprec("launch", "--ps", "1", "--workers", "1", "--", "train", "--model", SPEC, "--data", sample,
+                   "--steps", "9", "--batch-size", "16", "--checkpoint-dir", str(tmp_path / "ck"),
+                   "--export-dir", str(tmp_path / "live"), "--export-every", "6", "--export-incremental-every", "3",
+                   cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    names = sorted(os.listdir(tmp_path / "live"))
+    assert "full-000000006" in names and "delta-000000009.json" in names
+    delta = json.loads((tmp_path / "live" / "delta-000000009.json").read_text())
+    assert 0 < delta["rows"]  # the rows the PS updated in steps 7-9, pulled by the chief
+    served = ExportFolder(str(tmp_path / "live")).load()
+    model, state, schema, _ = model_from_checkpoint(str(tmp_path / "ck"))
+    batch = next(iter(open_reader([sample], 40, schema=schema)))
+    assert served.step == 9 and torch.allclose(served(batch), _scores(model, batch), atol=1e-6)
+
+
+@pytest.mark.slow
+def test_own_model_trains_collectively(tmp_path, sample):
+    spec = os.path.join(ROOT, "tests", "custom_models.py") + ":CollectionModel"  # fixed tables, sharded by the plan
+    done = deeprec("launch", "--workers", "2", "--collective", "--", "train", "--model", spec, "--data", sample,
+                   "--eval-data", sample, "--steps", "6", "--batch-size", "16", "--checkpoint-dir",
+                   str(tmp_path / "ck"), cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "[launch] job: 2 workers, 6 steps" in done.stdout and "eval AUC" in done.stdout
+    evaluated = deeprec("evaluate", "--checkpoint", str(tmp_path / "ck"), "--data", sample, cwd=tmp_path)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    auc = json.loads(evaluated.stdout.strip().splitlines()[-1])["auc"]
+    assert f"eval AUC {auc:.4f}" in done.stdout  # the merged checkpoint scores as the ranks did
+
+
+@pytest.mark.slow
+def test_a_shared_embedding_variable_trains_on_a_ps_as_locally(ps_pool, sample):
+    """One EV called for two columns: each call's gradient goes to its own keys on the PS too."""
+    from deeprec.distributed.ps_strategy import ParameterServer
+    from deeprec.distributed.worker import ps_variables
+    from deeprec.trainer import TrainConfig, Trainer
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from custom_models import SharedEmbedding
+
+    common = dict(data=[sample], steps=5, batch_size=32, optimizer="sgd", lr=0.1, progress=False)
+    torch.manual_seed(0)
+    local = Trainer(TrainConfig(**common), model=SharedEmbedding())
+    torch.manual_seed(0)
+    remote_model = SharedEmbedding()
+    reference = ps_variables(remote_model)["ids"]
+    addresses, _ = ps_pool(1)
+    remote = Trainer(TrainConfig(**common), model=remote_model, strategy=ParameterServer(addresses))
+    local.train()
+    remote.train()
+    rows = remote.updater.client.snapshot()
+    keys, values = rows["emb/ids/keys"], rows["emb/ids/values"]
+    want_keys, want_values = local.model.ids.snapshot()
+    order, want_order = torch.argsort(keys), torch.argsort(want_keys)
+    assert reference is not None and torch.equal(keys[order], want_keys[want_order])
+    torch.testing.assert_close(values[order], want_values[want_order], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_ctrl_c_at_the_terminal_stops_a_ps_job_with_a_checkpoint(tmp_path, sample):
+    train = ["train", "--model", "wdl", "--data", sample, "--batch-size", "16", "--checkpoint-dir", str(tmp_path / "ck")]
+    proc = subprocess.Popen([sys.executable, "-m", "deeprec.cli", "launch", "--ps", "1", "--workers", "2", "--", *train,
+                             "--steps", "100000"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    for line in proc.stdout:
+        if "] step 100 " in line:
+            os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the launcher's whole group
+            break
+    rest = proc.stdout.read()
+    assert proc.wait(180) == 130, rest[-3000:]
+    assert "job stopped on SIGINT" in rest and "continue it with --resume" in rest
+    assert "stopped by SIGINT after step" in " ".join(rest.split())
+    step = int(" ".join(rest.split()).split("[worker0] stopped by SIGINT after step ")[1].split(":")[0])
+    resumed = deeprec("launch", "--ps", "1", "--workers", "2", "--resume", "--", *train, "--steps", str(step + 5),
+                      cwd=tmp_path, timeout=600)
+    assert resumed.returncode == 0 and f"at step {step}" in resumed.stdout, resumed.stdout[-3000:]

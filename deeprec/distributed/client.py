@@ -200,15 +200,17 @@ class PSClient:
             jobs[ps] = ({"push": push[0], "pull": pull[0]}, {**push[1], **pull[1]})
         return jobs
 
-    def export(self, after_version: int | None = None) -> list[dict]:
-        header = {} if after_version is None else {"after_version": int(after_version)}
-        return [t for _, t in self._fan_out([("Export", ps, header, {}) for ps in range(self.num_ps)])]
+    def export(self, after_versions: list[dict] | None = None) -> list[dict]:
+        """Each PS's variables; `after_versions[ps]` {variable: step}: only rows that PS updated after
+        that step of the variable's optimizer there (row versions are per PS)."""
+        headers = [{} if not after_versions or not after_versions[ps] else {"after_version": after_versions[ps]}
+                   for ps in range(self.num_ps)]
+        return [t for _, t in self._fan_out([("Export", ps, headers[ps], {}) for ps in range(self.num_ps)])]
 
-    def snapshot(self, after_version: int | None = None) -> dict:
-        """All PSs' variables merged into one state (rows concatenated, dense from its owner);
-        `after_version`: only rows updated after that optimizer step."""
+    def snapshot(self) -> dict:
+        """All PSs' variables merged into one state (rows concatenated, dense from its owner)."""
         merged: dict[str, list] = {}
-        for part in self.export(after_version):
+        for part in self.export():
             for key, value in part.items():
                 merged.setdefault(key, []).append(value)
         out = {}

@@ -28,7 +28,6 @@ from deeprec.nn.collection import EmbeddingCollection, FusedLookup
 from deeprec.nn.lookup import EmbeddingLookup, assemble
 from deeprec.nn.variable import EmbeddingVariable, shard_of
 from deeprec.optim import merge_rows
-from deeprec.distributed.reshard import rank_dir
 from deeprec.distributed.sharding import FixedShard, describe_plan, plan_lookup
 from deeprec.runtime.updater import LocalUpdater
 
@@ -342,9 +341,6 @@ class CollectiveUpdater(LocalUpdater):
                 "all_reduce_ms": 1e3 * reduce.traffic.seconds / steps,  # waited for in apply: not hidden
                 "all_reduce_bytes": reduce.traffic.bytes_sent / steps,
                 "dense_parameters": sum(f.numel() for f in reduce.flats)}
-
-    def checkpoint_dir(self, base: str) -> str:
-        return rank_dir(base, self.rank, self.world_size)  # this rank's shards (deeprec.distributed.reshard)
 
 
 __all__ = ["ShardedLookup", "shard_embeddings", "evaluate_sharded", "CollectiveUpdater"]

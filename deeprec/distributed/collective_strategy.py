@@ -63,16 +63,18 @@ class Collective(Strategy):
         updater = CollectiveUpdater(model, cfg.optimizer, cfg.lr, self.rank, self.world_size, device,
                                     overlap=cfg.optimize.micro_batch_num == 1)  # micro-batches: after the last
         self.host_tables = updater.host_tables
+        import torch.distributed as dist
+
+        self._stop_group = dist.new_group(backend="gloo")  # agree(): on the CPU, no device sync per step
         return updater
 
     def agree(self, stop: bool) -> bool:
-        """Every rank stops after the same step: one small all-reduce (MAX) per step."""
+        """Every rank stops after the same step: a one-int all-reduce (MAX) per step, on a gloo group
+        of its own (tens of microseconds on the host; never a device synchronization)."""
         import torch.distributed as dist
 
-        from deeprec.distributed.collective import _default_group_device
-
-        flag = torch.tensor([int(stop)], device=_default_group_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        flag = torch.tensor([int(stop)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._stop_group)
         return bool(flag.item())
 
     def train_shards(self) -> dict:

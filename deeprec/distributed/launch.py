@@ -14,8 +14,10 @@ as a Kubernetes TFJob would, and torch.distributed's MASTER_ADDR, MASTER_PORT, R
 WORLD_SIZE as a PyTorchJob would (for `train --dense allreduce`); streams every worker's output prefixed with its
 name; exits with the first failing worker's code (the others go on), and stops
 the PSs at the end. The job gets its own PS token (DEEPREC_PS_TOKEN, through the
-environment); SIGTERM or SIGINT to the launcher reaches every process it started,
-and all of them are reaped before it exits.
+environment). Every process it starts runs in its own session, so a Ctrl-C at the terminal
+reaches the launcher alone: SIGTERM or SIGINT to the launcher goes to the workers, which finish
+their step and checkpoint (exit 143/130); the PSs stay up for the chief's snapshot and are
+stopped once the workers have exited; all of them are reaped before the launcher exits.
 """
 from __future__ import annotations
 
@@ -70,20 +72,20 @@ def launch(num_ps: int | None, num_workers: int, protocol: str, train_args: list
     if sync:
         train_args = [*train_args, "--sync"]
     env = dict(os.environ, **{TOKEN_ENV: os.environ.get(TOKEN_ENV) or secrets.token_hex(32)})
-    children: list[subprocess.Popen] = []
+    children = Children()
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def forward(signum, frame):
         """Stop the job: the workers get the signal, finish their step and checkpoint (the PSs stay up
         for the chief's snapshot and are stopped once the workers have exited); a second signal reaches
         the workers too, and they exit at once. Before any worker runs, the launcher stops."""
-        workers = [p for p in children if getattr(p, "deeprec_role", "") == "worker"]
-        if not workers:
+        if not children.workers:
             for proc in children:
                 if proc.poll() is None:
                     proc.send_signal(signum)
             raise SystemExit(128 + signum)
-        for proc in workers:
+        children.stopping = signum
+        for proc in children.workers:
             if proc.poll() is None:
                 proc.send_signal(signum)
 
@@ -111,12 +113,12 @@ def launch(num_ps: int | None, num_workers: int, protocol: str, train_args: list
 
 
 def _run(num_ps: int, num_workers: int, protocol: str, train_args: list[str], out, env: dict,
-         children: list) -> int:
+         children: Children) -> int:
     ps_addresses = []
     for i in range(num_ps):
         proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "127.0.0.1:0",
                                  "--shard", str(i), "--num-shards", str(num_ps), "--workers", str(num_workers)],
-                                stdout=subprocess.PIPE, text=True, env=env)
+                                stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
         children.append(proc)
         line = proc.stdout.readline()
         if "listening on" not in line:
@@ -132,7 +134,7 @@ def _run(num_ps: int, num_workers: int, protocol: str, train_args: list[str], ou
                         train_args, out, children)
 
 
-def _run_collective(num_workers: int, train_args: list[str], out, env: dict, children: list) -> int:
+def _run_collective(num_workers: int, train_args: list[str], out, env: dict, children: Children) -> int:
     """torchrun's environment for each rank, on loopback."""
     master_port = _free_port()
     threads = env.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // num_workers))  # no oversubscription
@@ -142,7 +144,18 @@ def _run_collective(num_workers: int, train_args: list[str], out, env: dict, chi
                         all_or_none=True)
 
 
-def _run_workers(envs: list[dict], train_args: list[str], out, children: list, all_or_none: bool = False) -> int:
+class Children(list):
+    """Every process the launcher started (PSs first), in their own sessions: a Ctrl-C at the terminal
+    reaches the launcher alone, which forwards it to the workers (the PSs must outlive the chief's last
+    checkpoint). `stopping`: the signal the launcher forwarded, if any."""
+
+    def __init__(self):
+        super().__init__()
+        self.workers: list[subprocess.Popen] = []
+        self.stopping: int | None = None
+
+
+def _run_workers(envs: list[dict], train_args: list[str], out, children: Children, all_or_none: bool = False) -> int:
     """One `deeprec train` per environment; output prefixed; the first failure's exit code.
     `all_or_none` (collective): the first rank that fails stops the others, which would otherwise
     wait in their next collective for it (as torchrun's agent does)."""
@@ -151,9 +164,9 @@ def _run_workers(envs: list[dict], train_args: list[str], out, children: list, a
     for i, worker_env in enumerate(envs):
         proc = subprocess.Popen([sys.executable, "-m", "deeprec.cli", *train_args],
                                 env=dict(worker_env, DEEPREC_LAUNCHED="1", DEEPREC_RESULT_DIR=results),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        proc.deeprec_role = "worker"
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         children.append(proc)
+        children.workers.append(proc)
         thread = threading.Thread(target=_stream, args=(f"worker{i}", proc.stdout, out), daemon=True)
         thread.start()
         procs.append((proc, thread))
@@ -165,6 +178,11 @@ def _run_workers(envs: list[dict], train_args: list[str], out, children: list, a
                 continue
             codes[i] = proc.returncode
             thread.join(10)
+            if children.stopping is not None and codes[i] == 128 + children.stopping:
+                out.write(f"[launch] worker{i} stopped on {signal.Signals(children.stopping).name} "
+                          "(its checkpoint written)\n")
+                first_failure = i if first_failure is None else first_failure  # the job's exit code: 130/143
+                continue
             if codes[i] != 0 and first_failure is None:
                 first_failure = i
                 out.write(f"[launch] worker{i} failed with exit code {codes[i]}\n")
@@ -178,6 +196,8 @@ def _run_workers(envs: list[dict], train_args: list[str], out, children: list, a
                 out.write(f"[launch] worker{i} failed with exit code {codes[i]}\n")
         time.sleep(0.05)
     failed = [codes[i] for i in sorted(codes) if codes[i] != 0]
+    if children.stopping is not None:
+        out.write(f"[launch] job stopped on {signal.Signals(children.stopping).name}; continue it with --resume\n")
     out.write(f"[launch] {len(codes) - len(failed)}/{len(codes)} workers succeeded\n")
     totals = job_totals(results)
     shutil.rmtree(results, ignore_errors=True)

@@ -94,8 +94,9 @@ class PSServicer:
             return {}, s.pull(pull, tensors, "pull.")
         if method == "Export":
             after = header.get("after_version")
-            if after is not None and (not isinstance(after, int) or isinstance(after, bool)):
-                raise WireError(f"Export's after_version must be an int, got {after!r}")
+            if after is not None and not (isinstance(after, dict) and all(
+                    isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in after.items())):
+                raise WireError(f"Export's after_version must map variable names to ints, got {after!r}")
             return {"shard": s.shard_index, "num_shards": s.num_shards}, s.export(after)
         if method == "Load":
             s.load(tensors)

@@ -267,14 +267,14 @@ class ShardState:
                         "within %.0fs", self.shard_index, pending["count"], step, MAX_WAIT_S)
 
     # -- checkpoints -----------------------------------------------------------------------
-    def export(self, after_version: int | None = None) -> dict:
-        """Every row with its slots, and each optimizer's step count; `after_version`: only the rows
-        updated after that optimizer step (a serving delta), and the dense variables."""
+    def export(self, after_version: dict[str, int] | None = None) -> dict:
+        """Every row with its slots, and each optimizer's step count; `after_version` {variable: step}:
+        only its rows updated after that step of its optimizer on this PS (a serving delta)."""
         out = {}
         for name, (arena, var) in self.embeddings.items():
             rows = arena.export(var)
-            if after_version is not None:
-                updated = rows["version"] > after_version
+            if after_version is not None and name in after_version:
+                updated = rows["version"] > after_version[name]
                 rows = {k: v[updated] if v.dim() > 0 else v for k, v in rows.items()}
             out.update({f"emb/{name}/{k}": v for k, v in rows.items()})
             out[f"opt/{name}"] = torch.tensor(arena.optimizer.step_count)

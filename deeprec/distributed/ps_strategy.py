@@ -80,7 +80,8 @@ class PSExportWriter:
 
     def __init__(self, writer, model: nn.Module, updater):
         self.writer, self.model, self.updater = writer, model, updater
-        self.synced_version = -1  # PS row versions (optimizer steps) already in the twin
+        self.synced: list[dict] = []  # per PS: {variable: its optimizer's step there, already in the twin}
+        self.syncs = 0  # the twin's row versions: rows pulled by sync k get version k (PS versions are per PS)
 
     @property
     def last_step(self):
@@ -93,13 +94,17 @@ class PSExportWriter:
         twin = self.writer.model
         dense = {k: v for k, v in self.model.state_dict().items()}
         twin.load_state_dict(dense, strict=False)
-        snapshot = self.updater.client.snapshot(after_version=self.synced_version)
+        parts = self.updater.client.export(self.synced or None)
+        self.synced, self.syncs = [{} for _ in parts], self.syncs + 1
         for name, ev in ps_variables(twin).items():
             prefix = f"emb/{name}/"
-            rows = {k[len(prefix):]: v for k, v in snapshot.items() if k.startswith(prefix)}
-            if rows:
-                ev.load({**rows, "incremental": torch.tensor(True)})
-                self.synced_version = max(self.synced_version, int(rows["global_step"]))
+            for ps, part in enumerate(parts):
+                rows = {k[len(prefix):]: v for k, v in part.items() if k.startswith(prefix)}
+                if not rows:
+                    continue
+                self.synced[ps][name] = int(rows["global_step"])
+                ev.load({**rows, "version": torch.full_like(rows["version"], self.syncs),
+                         "global_step": torch.tensor(self.syncs), "incremental": torch.tensor(True)})
 
     def full(self, step: int) -> str:
         self._sync()

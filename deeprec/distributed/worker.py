@@ -13,7 +13,7 @@ partitioned over the PSs by `key % 1000 % num_ps`. The optimizer runs on the PSs
 """
 from __future__ import annotations
 
-import os
+import functools
 import threading
 from types import SimpleNamespace
 
@@ -100,9 +100,11 @@ class RemoteLookup(EmbeddingLookup):
         self.direct_pulls += 1
         return self._fetch(self._keys, self.training)
 
-    def receive(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
+    def receive(self, rows: torch.Tensor, grad: torch.Tensor, keys: list) -> None:
+        """The gradient of one forward's rows; `keys`: that forward's unique keys per table (a lookup
+        called twice in one step hands each call's own keys)."""
         start = 0  # rows are 0..U-1 in table order
-        for name, keys in zip(self.names, self._keys):
+        for name, keys in zip(self.names, keys):
             n = keys.numel()
             if n:
                 self.pending.setdefault(name, []).append((keys, grad[start:start + n]))
@@ -119,7 +121,8 @@ class RemoteLookup(EmbeddingLookup):
 
     def forward(self, uniques, inverse, offsets, weights, counts, masks=()):
         values = self._pull(uniques)
-        rows = RowGather.apply(self._token, values, torch.arange(values.shape[0]), self.receive)
+        rows = RowGather.apply(self._token, values, torch.arange(values.shape[0]),
+                               functools.partial(self.receive, keys=self._keys))  # this call's keys
         return assemble(rows, inverse, offsets, weights, masks, self.num_pooled, self.max_norm)
 
 
@@ -135,7 +138,8 @@ class RemoteVariable(RemoteLookup):
         keys, inverse = torch.unique(ids.reshape(-1).to(torch.int64), return_inverse=True)
         values = self._pull([keys])
         if self.training and torch.is_grad_enabled():
-            values = RowGather.apply(self._token, values, torch.arange(values.shape[0]), self.receive)
+            values = RowGather.apply(self._token, values, torch.arange(values.shape[0]),
+                                     functools.partial(self.receive, keys=self._keys))  # a shared EV: per call
         return values[inverse].reshape(*ids.shape, self.dim)
 
 
@@ -298,8 +302,8 @@ class PSUpdater:
         self.pull_dense()
         state = {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()}}
         if self.dense_mode == "allreduce":  # every worker keeps its (identical) replica
-            state = {"dense": {n: p.detach().clone() for n, p in self.dense.items()},
-                     "dense_optimizer": self.optimizer.state_dict()}
+            state.update(dense={n: p.detach().clone() for n, p in self.dense.items()},
+                         dense_optimizer=self.optimizer.state_dict())
         if self.is_chief:
             state["ps"] = self.client.snapshot()  # every PS's rows with their slots
         return state
@@ -319,6 +323,3 @@ class PSUpdater:
             self.client.restore(state["ps"])  # onto however many PSs run now
         else:
             self.client.wait_restored(self.client.deadline_s)
-
-    def checkpoint_dir(self, base: str) -> str:
-        return base if self.is_chief else os.path.join(base, f"worker-{self.worker_index}")

@@ -23,6 +23,7 @@ from torch.profiler import record_function
 
 from deeprec.config import Config
 from deeprec.graph.capture import capture
+from deeprec.models.spec import check_outputs
 from deeprec.graph.markers import staged
 from deeprec.graph.smart_stage import StagePartition, smart_stage_pass
 from deeprec.graph.multi_stream import stream_summary
@@ -52,6 +53,7 @@ class OptimizedModel(nn.Module):
     def __init__(self, model: nn.Module, config: Config | None = None):
         super().__init__()
         self.model = model
+        self._outputs_checked = False
         config = config or Config()
         self.device = _device_of(model)
         self.bf16_note = None
@@ -126,6 +128,9 @@ class OptimizedModel(nn.Module):
         try:
             for item, size in zip(items, sizes):
                 out = self(item)
+                if not self._outputs_checked:  # the model contract, before anything reads out["loss"]
+                    check_outputs(out, type(self.model).__name__)
+                    self._outputs_checked = True
                 outputs.append(out)
                 # a non-finite loss never reaches backward: the fused embedding update runs there (a
                 # collective model's backward still runs: the other ranks' exchanges wait for it)

@@ -4,7 +4,6 @@ loop to stop after the step in flight; the trainer then writes a checkpoint and 
 A second signal exits at once."""
 from __future__ import annotations
 
-import os
 import signal
 import threading
 
@@ -41,13 +40,14 @@ class StopOnSignals:
         return self.signal is not None
 
     def _handle(self, signum, frame) -> None:
-        if self.signal is not None:
-            os._exit(128 + signum)  # the second signal: now, whatever the step is doing
         self.signal = signum
+        for sig in SIGNALS:  # the second signal kills at the C level: even a step blocked in a
+            signal.signal(sig, signal.SIG_DFL)  # collective or an RPC, where Python handlers never run
 
     def __enter__(self) -> "StopOnSignals":
         if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+            handler = self._handle if self.signal is None else signal.SIG_DFL  # asked once: the next one kills
+            self._previous = {sig: signal.signal(sig, handler) for sig in SIGNALS}
         return self
 
     def __exit__(self, *exc) -> None:

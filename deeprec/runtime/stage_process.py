@@ -19,9 +19,11 @@ import importlib
 import json
 import multiprocessing
 import pickle
+import signal
 import traceback
 
 import numpy as np
+
 import torch
 
 from deeprec.errors import ConfigError
@@ -138,6 +140,7 @@ def _send(conn, header: dict, payload: bytes = b"") -> None:
 
 
 def _worker(conn, source, stage_fn, closed_types, ignored_types) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the trainer's to handle: it stops this process
     torch.set_num_threads(1)
     iterator = iter(source)
     try:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import torch
 from torch import nn
 
 
@@ -41,8 +40,6 @@ class Updater(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
-
-    def checkpoint_dir(self, base: str) -> str: ...
 
 
 class LocalUpdater:
@@ -76,10 +73,6 @@ class LocalUpdater:
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])  # EmbeddingVariables merge incremental rows
         self.optimizer.load_state_dict(state["optimizer"])
-
-    def checkpoint_dir(self, base: str) -> str:
-        return base
-
 
 
 __all__ = ["Updater", "LocalUpdater"]
