@@ -105,7 +105,7 @@ def free_port() -> int:
 
 
 def run_case(protocol: str, dense_mode: str, workers: int, batch: int, steps: int, ids: str = "uniform") -> dict:
-    ps = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "127.0.0.1:0"],
+    ps = subprocess.Popen([sys.executable, "-m", "deeprec.distributed.ps", "--bind", "127.0.0.1:0"],
                           stdout=subprocess.PIPE, text=True)
     address = ps.stdout.readline().split()[-1]
     try:
@@ -134,7 +134,7 @@ def run_case(protocol: str, dense_mode: str, workers: int, batch: int, steps: in
 def run_training(mode: str, steps: int, data: str) -> float:
     """DLRM samples/s: mode "local", "local_tables", or 1 PS + this worker with dense "ps" /
     "allreduce" (star_server), "allreduce_lite" (star_server_lite)."""
-    from deeprec.distributed.ps_strategy import ParameterServer
+    from deeprec.distributed.ps.strategy import ParameterServer
     from deeprec.trainer import TrainConfig, Trainer
 
     common = dict(model="dlrm", data=[data], steps=steps, batch_size=512, optimizer="adagrad", lr=0.01,
@@ -142,8 +142,8 @@ def run_training(mode: str, steps: int, data: str) -> float:
     if mode.startswith("local"):
         embedding = "variable" if mode == "local" else None  # None: the default fused hashed tables
         cfg = TrainConfig.create(**common, embedding=embedding, optimize=dict(smart_stage=True, main_threads=1))
-        return Trainer(cfg, strategy=ParameterServer([address])).train()["samples_per_s"]
-    ps = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "127.0.0.1:0", "--workers", "1"],
+        return Trainer(cfg).train()["samples_per_s"]
+    ps = subprocess.Popen([sys.executable, "-m", "deeprec.distributed.ps", "--bind", "127.0.0.1:0", "--workers", "1"],
                           stdout=subprocess.PIPE, text=True)
     address = ps.stdout.readline().split()[-1]
     try:

@@ -69,11 +69,11 @@ def strategy_from_env():
 
     task = worker_task_from_env()
     if task is not None:
-        from deeprec.distributed.ps_strategy import ParameterServer
+        from deeprec.distributed.ps.strategy import ParameterServer
 
         return ParameterServer(task.ps_addresses, task.index, task.num_workers, task.master), task.protocol
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-        from deeprec.distributed.collective_strategy import Collective
+        from deeprec.distributed.collective.strategy import Collective
 
         return Collective(int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])), None
     from deeprec.runtime.strategy import LocalStrategy
@@ -177,7 +177,7 @@ def cmd_explain(args, console: Console) -> int:
     fast = dr.optimize(model, dr.Config(smart_stage=not args.no_smart_stage))
     print(fast.explain())
     if args.ranks:
-        from deeprec.distributed.sharding import plan_model
+        from deeprec.distributed.collective.planner import plan_model
         from deeprec.optim import make_optimizer
 
         make_optimizer(model, args.optimizer)  # its slots count in the tables' bytes
@@ -197,7 +197,7 @@ def model_from_checkpoint(checkpoint: str, model_spec: str | None = None):
     path = checkpoint if os.path.isfile(checkpoint) else latest_checkpoint(checkpoint)
     merged = None
     if path is None and os.path.isdir(checkpoint):  # collective training's rank-R-of-N folders: merged
-        from deeprec.distributed.reshard import restore_collective
+        from deeprec.distributed.collective.reshard import restore_collective
 
         merged = restore_collective(checkpoint, 0, 1)
     if path is None and merged is None:
@@ -210,11 +210,11 @@ def model_from_checkpoint(checkpoint: str, model_spec: str | None = None):
     schema = schema_from_dict(state["schema"]) if state.get("schema") else None
     model = load_model(model_spec or state["model_name"], schema, **state["model_overrides"])
     if merged is not None:
-        from deeprec.distributed.reshard import one_process_state
+        from deeprec.distributed.collective.reshard import one_process_state
 
         weights = one_process_state(model, state["model"])
     elif "ps" in state:  # a parameter-server job's chief: the dense model and every PS's rows
-        from deeprec.distributed.ps_strategy import one_process_state
+        from deeprec.distributed.ps.strategy import one_process_state
 
         weights = one_process_state(model, state)
         path = f"{path} (parameter-server job: the PSs' rows merged)"

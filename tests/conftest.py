@@ -72,7 +72,7 @@ def behavior(tmp_path_factory) -> tuple[str, str]:
 
 
 def start_ps(shard=0, num_shards=1, threads=2):
-    proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "127.0.0.1:0",
+    proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed.ps", "--bind", "127.0.0.1:0",
                              "--shard", str(shard), "--num-shards", str(num_shards), "--threads", str(threads)],
                             stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()  # "deeprec PS 0/1 listening on 127.0.0.1:PORT"
@@ -97,8 +97,8 @@ def ps_pool():
 
 @contextlib.contextmanager
 def running_ps(*args, env=None, cwd=None):
-    """A PS process (`python -m deeprec.distributed ARGS`) for the block: yields (process, its first line)."""
-    proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", *args], stdout=subprocess.PIPE, text=True,
+    """A PS process (`python -m deeprec.distributed.ps ARGS`) for the block: yields (process, its first line)."""
+    proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed.ps", *args], stdout=subprocess.PIPE, text=True,
                             env=env, cwd=cwd)
     try:
         yield proc, proc.stdout.readline()

@@ -11,7 +11,7 @@ from torch import nn
 
 import deeprec as dr
 from deeprec.checkpoint import load_checkpoint
-from deeprec.distributed.collective import evaluate_sharded, shard_embeddings
+from deeprec.distributed.collective.sharded import evaluate_sharded, shard_embeddings
 from deeprec.errors import ConfigError
 from deeprec.metrics import evaluate
 from deeprec.nn import shard_of
@@ -107,8 +107,8 @@ def _rank_fixed(rank, init_file, out_dir):
 
 
 def test_fixed_tables_sharded_row_and_table_wise_equal_one_process(tmp_path):
-    from deeprec.distributed.reshard import merge_rank_states
-    from deeprec.distributed.sharding import FixedShard, plan_tables
+    from deeprec.distributed.collective.reshard import merge_rank_states
+    from deeprec.distributed.collective.planner import FixedShard, plan_tables
 
     mp.spawn(_rank_fixed, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
     reference = Tiny(fixed=True)
@@ -157,7 +157,7 @@ class Lossy(nn.Module):
 
 
 def _rank_nan(rank, port, out_dir):
-    from deeprec.distributed.collective import CollectiveUpdater
+    from deeprec.distributed.collective.sharded import CollectiveUpdater
     from deeprec.errors import NonFiniteError
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
@@ -351,7 +351,7 @@ def test_torchrun_on_two_gpus_with_nccl(tmp_path, unique_tsv):
 
 
 def test_planner_spreads_big_tables_and_packs_small_ones():
-    from deeprec.distributed.sharding import describe_plan, plan_tables
+    from deeprec.distributed.collective.planner import describe_plan, plan_tables
 
     tables = [("huge", 1_000_000, 16), ("ev", None, 16)] + [(f"s{i}", 1000 * (i + 1), 16) for i in range(6)]
     plans = {p.name: p for p in plan_tables(tables, 4, slot_floats_per_row=16)}

@@ -6,7 +6,7 @@ import torch
 from deeprec.errors import ConfigError
 from deeprec.runtime import device as placement
 from deeprec.runtime.device import DeviceBatches, place_model, resolve_device, to_device
-from deeprec.distributed.ps_strategy import ParameterServer
+from deeprec.distributed.ps.strategy import ParameterServer
 from deeprec.trainer import TrainConfig, train
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -11,9 +11,9 @@ import torch
 
 from deeprec import optim
 from deeprec.distributed import ClusterSpec, PSClient, PSError, Server, parse_tf_config, read_endpoint_map
-from deeprec.distributed.ps_shard import SERVICE
-from deeprec.distributed.wire import pack
-from deeprec.distributed.ps_strategy import ParameterServer
+from deeprec.distributed.ps.shard import SERVICE
+from deeprec.distributed.ps.wire import pack
+from deeprec.distributed.ps.strategy import ParameterServer
 from deeprec.errors import ConfigError
 from deeprec.runtime.strategy import LocalStrategy
 from deeprec.nn import EmbeddingVariable
@@ -279,7 +279,7 @@ def test_launch_resume_onto_more_ps(tmp_path):
 
 
 def test_sync_push_applies_the_average_once_per_step():
-    from deeprec.distributed.ps_state import ShardState
+    from deeprec.distributed.ps.state import ShardState
 
     def state():
         s = ShardState(0, 1)
@@ -400,7 +400,7 @@ def test_async_embedding_needs_ps_and_smart_stage(tmp_path):
 
 
 def test_tuning_variables_are_validated(monkeypatch):
-    from deeprec.distributed.tuning import core_number, env_flag
+    from deeprec.distributed.ps.tuning import core_number, env_flag
 
     monkeypatch.delenv("NETWORK_PS_CORE_NUMBER", raising=False)
     assert core_number("NETWORK_PS_CORE_NUMBER", 3, 8) == 3 and core_number("NETWORK_PS_CORE_NUMBER", 20, 8) == 8

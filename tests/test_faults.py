@@ -132,10 +132,10 @@ def test_the_ps_refuses_nonfinite_pushes(tmp_path):
     import grpc
 
     from deeprec.distributed import PSClient
-    from deeprec.distributed.ps_shard import SERVICE
-    from deeprec.distributed.wire import pack
+    from deeprec.distributed.ps.shard import SERVICE
+    from deeprec.distributed.ps.wire import pack
 
-    proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "127.0.0.1:0"],
+    proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed.ps", "--bind", "127.0.0.1:0"],
                             stdout=subprocess.PIPE, text=True)
     try:
         address = proc.stdout.readline().split()[-1]

@@ -11,7 +11,7 @@ from deeprec.cli import sample_path
 from deeprec.data import open_reader, resolve_schema
 from deeprec.models import MODELS, build_model
 from deeprec.nn import EmbeddingCollection, EmbeddingFeature, EmbeddingVariableOption, InitializerOption
-from deeprec.distributed.ps_strategy import ParameterServer
+from deeprec.distributed.ps.strategy import ParameterServer
 from deeprec.optim import make_optimizer
 from deeprec.optim.sparse import SGD
 

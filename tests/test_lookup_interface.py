@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import deeprec as dr
-from deeprec.distributed.client import PSClient
+from deeprec.distributed.ps.client import PSClient
 from deeprec.distributed import Server
-from deeprec.distributed.collective import ShardedLookup, shard_embeddings
-from deeprec.distributed.worker import PSUpdater, RemoteLookup, RemoteVariable
+from deeprec.distributed.collective.sharded import ShardedLookup, shard_embeddings
+from deeprec.distributed.ps.worker import PSUpdater, RemoteLookup, RemoteVariable
 from deeprec.graph import capture
 from deeprec.graph.multi_stream import multi_stream_pass
 from deeprec.nn import EmbeddingLookup, FusedLookup

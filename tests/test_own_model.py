@@ -250,8 +250,8 @@ def test_own_model_trains_collectively(tmp_path, sample):
 @pytest.mark.slow
 def test_a_shared_embedding_variable_trains_on_a_ps_as_locally(ps_pool, sample):
     """One EV called for two columns: each call's gradient goes to its own keys on the PS too."""
-    from deeprec.distributed.ps_strategy import ParameterServer
-    from deeprec.distributed.worker import ps_variables
+    from deeprec.distributed.ps.strategy import ParameterServer
+    from deeprec.distributed.ps.worker import ps_variables
     from deeprec.trainer import TrainConfig, Trainer
 
     sys.path.insert(0, os.path.join(ROOT, "tests"))

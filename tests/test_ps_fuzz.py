@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deeprec.distributed import PSClient
-from deeprec.distributed.ps_shard import METHODS, SERVICE
-from deeprec.distributed.wire import DTYPES, unpack
+from deeprec.distributed.ps.shard import METHODS, SERVICE
+from deeprec.distributed.ps.wire import DTYPES, unpack
 
 from conftest import start_ps  # noqa: E402
 

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from deeprec.distributed import PSClient
-from deeprec.distributed.ps_shard import SERVICE
-from deeprec.distributed.wire import pack, unpack
+from deeprec.distributed.ps.shard import SERVICE
+from deeprec.distributed.ps.wire import pack, unpack
 
 from conftest import running_ps  # noqa: E402
 
 
 def start(*extra):
-    proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "127.0.0.1:0", "--threads", "4",
+    proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed.ps", "--bind", "127.0.0.1:0", "--threads", "4",
                              *extra], stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     assert "listening on" in line, line
@@ -148,7 +148,7 @@ def free_port() -> int:
 def test_token_is_required_on_every_call(monkeypatch):
     import os
 
-    from deeprec.distributed.client import PSError
+    from deeprec.distributed.ps.client import PSError
 
     env = dict(os.environ, DEEPREC_PS_TOKEN="s3cret-token")
     with running_ps("--bind", "127.0.0.1:0", env=env) as (_, line):
@@ -173,7 +173,7 @@ def test_a_ps_on_a_public_address_needs_a_token_or_insecure(monkeypatch):
     import os
 
     env = {k: v for k, v in os.environ.items() if k != "DEEPREC_PS_TOKEN"}
-    done = subprocess.run([sys.executable, "-m", "deeprec.distributed", "--bind", "0.0.0.0:0"], env=env,
+    done = subprocess.run([sys.executable, "-m", "deeprec.distributed.ps", "--bind", "0.0.0.0:0"], env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "no token" in done.stderr and "--insecure" in done.stderr
     with running_ps("--bind", "0.0.0.0:0", "--insecure", env=env) as (_, line):

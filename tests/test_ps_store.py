@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from deeprec.distributed.ps_state import ShardState
-from deeprec.distributed.ps_store import DenseGroup, EmbeddingArena
+from deeprec.distributed.ps.state import ShardState
+from deeprec.distributed.ps.store import DenseGroup, EmbeddingArena
 from deeprec.optim import sparse
 
 
@@ -137,7 +137,7 @@ def test_index_build_refuses_a_pair_held_twice():
 def test_received_tensors_are_aligned_views_of_the_message():
     import numpy as np
 
-    from deeprec.distributed.wire import pack, unpack
+    from deeprec.distributed.ps.wire import pack, unpack
 
     for pad in range(12):  # every header length modulo 8
         message = pack({"note": "x" * pad}, {"keys": torch.arange(5), "grads": torch.ones(3, 4),

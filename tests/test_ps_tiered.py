@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from deeprec.distributed import PSClient, PSError
-from deeprec.distributed.ps_state import ShardState
+from deeprec.distributed.ps.state import ShardState
 from deeprec.nn import StorageOption
 
 from conftest import running_ps

@@ -175,7 +175,7 @@ def test_untraceable_model_names_the_line_and_suggests_op():
 def test_async_embedding_needs_smart_stage():
     with pytest.raises(dr.ConfigError, match="needs smart_stage=True"):
         dr.Config(async_embedding=True)
-    from deeprec.distributed.worker import RemoteLookup
+    from deeprec.distributed.ps.worker import RemoteLookup
 
     model = build_model("dlrm", embedding="variable")
     local = model.embeddings.collection.lookup

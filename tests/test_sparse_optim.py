@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from deeprec import optim
+from deeprec.nn.lookup import merge_rows
 
 
 def run_ours(opt, weight, steps):
@@ -13,7 +14,7 @@ def run_ours(opt, weight, steps):
     slots = opt.init_slots(*w.shape)
     for rows, grad in steps:
         opt.begin_step()
-        r, g = optim.merge_rows(rows, grad)
+        r, g = merge_rows(rows, grad)
         opt.update(w, slots, r, g)
     return w, slots
 
@@ -47,9 +48,9 @@ def weight():
 
 
 def test_merge_rows_sums_duplicates():
-    rows, grads = optim.merge_rows(torch.tensor([3, 1, 3]), torch.tensor([[1.0], [2.0], [4.0]]))
+    rows, grads = merge_rows(torch.tensor([3, 1, 3]), torch.tensor([[1.0], [2.0], [4.0]]))
     assert rows.tolist() == [1, 3] and grads.tolist() == [[2.0], [5.0]]
-    rows, grads = optim.merge_rows(torch.tensor([5, 2]), torch.tensor([[1.0], [2.0]]))
+    rows, grads = merge_rows(torch.tensor([5, 2]), torch.tensor([[1.0], [2.0]]))
     assert rows.tolist() == [2, 5] and grads.tolist() == [[2.0], [1.0]]
 
 

@@ -1,7 +1,7 @@
 // Row-sparse optimizer updates in one pass over the touched rows, run without the GIL.
 //
 // Each op updates weight[rows[i]] and its slots in place from grad[i], rows distinct
-// (deeprec.optim.merge_rows sums duplicates first). One row is read, updated and written
+// (deeprec.nn.lookup.merge_rows sums duplicates first). One row is read, updated and written
 // while it sits in cache, where the composition of torch ops it replaces made ~8
 // gathers, elementwise passes and scatters over all rows.
 //

@@ -47,3 +47,13 @@ def collate(items: Sequence[dict]) -> dict:
 
 
 __all__ = ["collate"]
+
+
+def batch_rows(batch) -> int:
+    """Rows of a raw batch (a dict or tuple of tensors and Raggeds): its first batched value's."""
+    for value in (batch.values() if isinstance(batch, dict) else batch):
+        if isinstance(value, Ragged):
+            return len(value.offsets) - 1
+        if isinstance(value, torch.Tensor) and value.ndim > 0:
+            return int(value.shape[0])
+    raise ConfigError("cannot split the batch: it holds no tensor or array with a batch dimension")

@@ -1,7 +1,7 @@
 """Hybrid training's dense half: dense parameters replicated on the workers, averaged by all-reduce.
 
     worker r: backward ──> dense grads ──one flat buffer──> all_reduce(sum) ──/ active workers──> local optimizer
-              embedding grads ──> the PSs (deeprec.distributed.worker)
+              embedding grads ──> the PSs (deeprec.distributed.ps.worker)
 
 This is the HybridBackend / SOK+Horovod layout: only embedding rows travel to the PSs.
 torch.distributed runs it: gloo for CPU parameters, NCCL for CUDA ones. The rendezvous

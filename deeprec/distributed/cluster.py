@@ -127,7 +127,7 @@ def task_from_env(job: str) -> WorkerTask | PSTask | None:
                       ps_addresses(cluster)[task.task_index])
     if task.job_name not in ("worker", "chief"):
         raise ConfigError(f"`deeprec train` runs worker tasks; TF_CONFIG says {task.job_name!r} "
-                          "(start PS tasks with `python -m deeprec.distributed`)")
+                          "(start PS tasks with `python -m deeprec.distributed.ps`)")
     workers = cluster.job_tasks("worker")
     return WorkerTask(ps_addresses(cluster), task.task_index, len(workers), os.environ.get("DEEPREC_PROTOCOL"),
                       master=workers[0] if workers else None)

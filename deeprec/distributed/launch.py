@@ -6,7 +6,7 @@
 --collective starts no PS: the workers are torch.distributed ranks, as under
 `torchrun --nproc-per-node N -m deeprec train ...` (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE; OMP_NUM_THREADS = cores / workers unless set), and train
-with sharded embeddings (deeprec.distributed.collective). A rank that fails stops the others
+with sharded embeddings (deeprec.distributed.collective.sharded). A rank that fails stops the others
 (they would wait for it in their next collective), as torchrun's agent does.
 
 Starts the PS shards (each prints its port), then the workers with TF_CONFIG set
@@ -33,8 +33,8 @@ import tempfile
 import threading
 import time
 
-from deeprec.distributed.client import PROTOCOLS
-from deeprec.distributed.security import TOKEN_ENV
+from deeprec.distributed.ps.client import PROTOCOLS
+from deeprec.distributed.ps.security import TOKEN_ENV
 from deeprec.errors import ConfigError
 
 
@@ -116,7 +116,7 @@ def _run(num_ps: int, num_workers: int, protocol: str, train_args: list[str], ou
          children: Children) -> int:
     ps_addresses = []
     for i in range(num_ps):
-        proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed", "--bind", "127.0.0.1:0",
+        proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed.ps", "--bind", "127.0.0.1:0",
                                  "--shard", str(i), "--num-shards", str(num_ps), "--workers", str(num_workers)],
                                 stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
         children.append(proc)

@@ -13,7 +13,7 @@ feature (`pooled=False`) keeps one vector per position instead of pooling.
 The backward of the gather applies the attached row-sparse optimizer to the
 unique rows only (fused), or, with `fused=False`, keeps the gradients until
 `apply_pending()` (micro-batching). On parameter servers the lookup is swapped for
-`deeprec.distributed.worker.RemoteLookup`, which has the same inputs and outputs.
+`deeprec.distributed.ps.worker.RemoteLookup`, which has the same inputs and outputs.
 """
 from __future__ import annotations
 
@@ -25,10 +25,11 @@ import torch
 from torch import nn
 
 from deeprec.errors import ConfigError, check_choice
-from deeprec.nn.lookup import COMBINERS, EmbeddingLookup, RowGather, assemble, merge_shared_tables, prepare_bags
+from deeprec.nn.lookup import (COMBINERS, EmbeddingLookup, RowGather, assemble, merge_rows, merge_shared_tables,
+                                prepare_bags)
 from deeprec.nn.options import EmbeddingVariableOption
-from deeprec.nn.variable import Gathered, embedding_variable
-from deeprec.optim.sparse import RowSparseOptimizer, merge_rows
+from deeprec.nn.tiered import embedding_variable
+from deeprec.nn.variable import Gathered
 from deeprec.ragged import Ragged
 
 
@@ -70,7 +71,7 @@ class FusedLookup(EmbeddingLookup):
         if any(self.dynamic) and not all(self.dynamic):
             raise ConfigError("an EmbeddingCollection holds either fixed-size tables or EmbeddingVariables, "
                               "not both: make two collections")
-        self.optimizer: RowSparseOptimizer | None = None
+        self.optimizer = None  # a deeprec.optim.RowSparseOptimizer, once attached
         self.fused = True
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor, int | None]] = []  # part, rows, grads, gen
         self._token = torch.zeros(0, requires_grad=True)  # makes autograd call RowGather.backward
@@ -86,7 +87,7 @@ class FusedLookup(EmbeddingLookup):
             self.register_buffer("optimizer_step", torch.zeros((), dtype=torch.int64))
 
     # -- optimizer ------------------------------------------------------------------------
-    def attach(self, optimizer: RowSparseOptimizer, fused: bool = True) -> None:
+    def set_optimizer(self, optimizer, fused: bool = True) -> None:
         self.optimizer, self.fused = optimizer, fused
         specs = optimizer.slot_specs()
         if all(self.dynamic):
@@ -116,12 +117,12 @@ class FusedLookup(EmbeddingLookup):
         if self.fused:
             if begin:
                 self.optimizer.begin_step()
-            self._apply(part, rows, grad, generation=generation)
+            self._apply_rows(part, rows, grad, generation=generation)
         else:
             self._pending.append((part, rows, grad, generation))
 
-    def _apply(self, part: int, rows: torch.Tensor, grad: torch.Tensor, unique: bool = True,
-               generation: int | None = None) -> None:
+    def _apply_rows(self, part: int, rows: torch.Tensor, grad: torch.Tensor, unique: bool = True,
+                    generation: int | None = None) -> None:
         """`unique`: the rows of one lookup are distinct already (per-table unique
         keys in disjoint row ranges); gradients gathered over several backwards are not."""
         if not unique:
@@ -175,7 +176,7 @@ class FusedLookup(EmbeddingLookup):
                 rows = torch.cat([r if gen is None else self.variables[part].current_rows(r, gen)
                                   for r, _, gen in mine])
                 grads = torch.cat([g for _, g, _ in mine])
-                self._apply(part, rows, grads, unique=False, generation=current)
+                self._apply_rows(part, rows, grads, unique=False, generation=current)
         self._pending.clear()
 
     def discard_pending(self) -> None:
@@ -275,8 +276,8 @@ class EmbeddingCollection(nn.Module):
         self.table_of = None if table_of == tuple(range(len(ordered))) else table_of  # else keys merge per table
         self.lookup = FusedLookup(owners, embedding_dim, max_norm, init_bound, num_pooled=len(self.names))
 
-    def set_optimizer(self, optimizer: RowSparseOptimizer, fused: bool = True) -> "EmbeddingCollection":
-        self.lookup.attach(optimizer, fused)
+    def set_optimizer(self, optimizer, fused: bool = True) -> "EmbeddingCollection":
+        self.lookup.set_optimizer(optimizer, fused)
         return self
 
     def apply_pending(self) -> None:

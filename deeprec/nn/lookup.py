@@ -72,6 +72,18 @@ def prepare_bags(ids: Sequence, combiners: Sequence[str], fill_ids: Sequence):
     return tuple(uniques), inverse, offsets, weights, tuple(counts)
 
 
+def merge_rows(rows: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unique rows with the gradients of duplicates summed."""
+    unique, inverse = torch.unique(rows, return_inverse=True)
+    if unique.numel() == rows.numel():
+        order = torch.empty_like(inverse)
+        order[inverse] = torch.arange(rows.numel(), device=rows.device)
+        return unique, grads[order]
+    summed = torch.zeros(unique.numel(), *grads.shape[1:], dtype=grads.dtype, device=grads.device)
+    summed.index_add_(0, inverse, grads)
+    return unique, summed
+
+
 class RowGather(torch.autograd.Function):
     """rows = table[index]; backward sends (index, grad) to `sink` instead of
     producing a gradient for the table (the row-sparse optimizer applies it)."""
@@ -193,6 +205,11 @@ class EmbeddingLookup(abc.ABC, nn.Module):
         return []
 
     # -- updates ------------------------------------------------------------------------------
+    def set_optimizer(self, optimizer) -> None:
+        """Attach the row-sparse optimizer (deeprec.optim.row_sparse_optimizer) its updates apply
+        (deeprec.optim.make_optimizer attaches one to every lookup of a model)."""
+        raise NotImplementedError(f"{type(self).__name__} updates its rows elsewhere (parameter servers)")
+
     @property
     @abc.abstractmethod
     def updates_in_backward(self) -> bool:

@@ -21,8 +21,8 @@ import torch
 
 from deeprec.errors import ConfigError
 from deeprec.nn.disk_rows import DiskRows
-from deeprec.nn.options import GlobalStepEvict, L2WeightEvict, StorageOption
-from deeprec.nn.variable import EmbeddingVariable, KeyIndex, embedding_variable, shard_of
+from deeprec.nn.options import EmbeddingVariableOption, GlobalStepEvict, L2WeightEvict, StorageOption
+from deeprec.nn.variable import EmbeddingVariable, KeyIndex, shard_of
 
 _MIN_CACHE_ROWS = 16
 
@@ -446,3 +446,12 @@ def use_storage(model: torch.nn.Module, storage: StorageOption | dict[str, Stora
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, tiered)
     return len(found)
+
+
+def embedding_variable(embedding_dim: int, *, ev_option: EmbeddingVariableOption | None = None,
+                       **kwargs) -> EmbeddingVariable:
+    """An EmbeddingVariable with the storage `ev_option` asks for: a `TieredEmbeddingVariable`
+    when it has an ssd tier, else a plain one (rows in DRAM). Takes EmbeddingVariable's arguments."""
+    if ev_option is not None and ev_option.storage.tiered:
+        return TieredEmbeddingVariable(embedding_dim, ev_option=ev_option, **kwargs)
+    return EmbeddingVariable(embedding_dim, ev_option=ev_option, **kwargs)

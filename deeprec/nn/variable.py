@@ -31,12 +31,10 @@ import threading
 import numpy as np
 import torch
 from pandas._libs.hashtable import Int64HashTable
-from torch import nn
 
 from deeprec.errors import ConfigError
-from deeprec.nn.lookup import EmbeddingLookup, RowGather
+from deeprec.nn.lookup import EmbeddingLookup, RowGather, merge_rows
 from deeprec.nn.options import CBFFilter, CounterFilter, EmbeddingVariableOption, GlobalStepEvict, L2WeightEvict
-from deeprec.optim.sparse import merge_rows
 
 PARTITION_MOD = 1000  # DeepRec partitions keys by key % 1000 % num_shards
 _SAVING = threading.local()
@@ -98,17 +96,6 @@ def _grown(t: torch.Tensor, size: int) -> torch.Tensor:
     out = torch.zeros(size, dtype=t.dtype)
     out[: t.numel()] = t
     return out
-
-
-def embedding_variable(embedding_dim: int, *, ev_option: EmbeddingVariableOption | None = None,
-                       **kwargs) -> "EmbeddingVariable":
-    """An EmbeddingVariable with the storage `ev_option` asks for: a `TieredEmbeddingVariable`
-    when it has an ssd tier, else a plain one (rows in DRAM). Takes EmbeddingVariable's arguments."""
-    if ev_option is not None and ev_option.storage.tiered:
-        from deeprec.nn.tiered import TieredEmbeddingVariable  # imports this module
-
-        return TieredEmbeddingVariable(embedding_dim, ev_option=ev_option, **kwargs)
-    return EmbeddingVariable(embedding_dim, ev_option=ev_option, **kwargs)
 
 
 class EmbeddingVariable(EmbeddingLookup):

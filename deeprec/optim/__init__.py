@@ -1,7 +1,7 @@
 """Optimizers: torch.optim for dense parameters, row-sparse ones for embeddings."""
 from deeprec.optim.dense import OPTIMIZERS, OptimizerGroup, make_optimizer, sparse_parameters
-from deeprec.optim.sparse import (FTRL, ROW_SPARSE, SGD, Adagrad, Adam, AdamAsync, RowSparseOptimizer, merge_rows,
+from deeprec.optim.sparse import (FTRL, ROW_SPARSE, SGD, Adagrad, Adam, AdamAsync, RowSparseOptimizer,
                                   row_sparse_optimizer)
 
 __all__ = ["OPTIMIZERS", "OptimizerGroup", "make_optimizer", "sparse_parameters", "FTRL", "SGD", "Adagrad",
-           "Adam", "AdamAsync", "RowSparseOptimizer", "merge_rows", "ROW_SPARSE", "row_sparse_optimizer"]
+           "Adam", "AdamAsync", "RowSparseOptimizer", "ROW_SPARSE", "row_sparse_optimizer"]

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from deeprec.errors import check_choice
+from deeprec.nn.lookup import embedding_lookups
 from deeprec.optim.sparse import row_sparse_optimizer
 
 OPTIMIZERS = ("adagrad", "adam", "sgd")  # the names make_optimizer (and `deeprec train --optimizer`) takes
@@ -51,20 +52,13 @@ class OptimizerGroup:
 
 
 def attach_row_sparse(model: nn.Module, name: str, lr: float) -> list:
-    """Give every EmbeddingCollection and every free EmbeddingVariable in `model` the row-sparse
-    version of `name` (its update runs in the backward, or at the optimizer step when micro-batching
-    keeps it); returns their lookups (deeprec.nn.EmbeddingLookup)."""
-    from deeprec.nn.collection import EmbeddingCollection
-    from deeprec.nn.lookup import embedding_lookups
-    from deeprec.nn.variable import EmbeddingVariable
-
-    collections = [m for m in model.modules() if isinstance(m, EmbeddingCollection)]
-    for collection in collections:
-        collection.set_optimizer(row_sparse_optimizer(name, lr))
-    free = [m for _, m in embedding_lookups(model) if isinstance(m, EmbeddingVariable)]
-    for ev in free:  # used as ev(ids): each gets its own row-sparse optimizer
-        ev.set_optimizer(row_sparse_optimizer(name, lr))
-    return [c.lookup for c in collections] + free
+    """Give every embedding lookup of `model` (deeprec.nn.EmbeddingLookup: an EmbeddingCollection's
+    tables, a free EmbeddingVariable) the row-sparse version of `name` (its update runs in the
+    backward, or at the optimizer step when micro-batching keeps it); returns the lookups."""
+    lookups = [lookup for _, lookup in embedding_lookups(model)]
+    for lookup in lookups:  # each its own optimizer: its own step count and slots
+        lookup.set_optimizer(row_sparse_optimizer(name, lr))
+    return lookups
 
 
 def make_optimizer(model: nn.Module, name: str = "adagrad", lr: float = 0.05) -> OptimizerGroup:

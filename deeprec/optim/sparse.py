@@ -1,7 +1,7 @@
 """Row-sparse optimizers: update only the rows a batch touched.
 
 Each optimizer applies, in place, to `weight[rows]` and its slots `slots[name][rows]`,
-with `rows` unique (duplicate ids' gradients are summed first, see `merge_rows`): so
+with `rows` unique (duplicate ids' gradients are summed first, see `deeprec.nn.lookup.merge_rows`): so
 updates are gathers and scatters of distinct rows, never accumulating scatters.
 SGD, Adagrad, Adam and AdamAsync run as one C++ pass over the rows
 (deeprec/csrc/sparse_optim.cpp, no GIL); FTRL is a composition of torch ops.
@@ -26,18 +26,6 @@ import torch
 
 import deeprec._C  # noqa: F401  (registers torch.ops.deeprec.sparse_*)
 from deeprec.errors import ConfigError
-
-
-def merge_rows(rows: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unique rows with the gradients of duplicates summed."""
-    unique, inverse = torch.unique(rows, return_inverse=True)
-    if unique.numel() == rows.numel():
-        order = torch.empty_like(inverse)
-        order[inverse] = torch.arange(rows.numel(), device=rows.device)
-        return unique, grads[order]
-    summed = torch.zeros(unique.numel(), *grads.shape[1:], dtype=grads.dtype, device=grads.device)
-    summed.index_add_(0, inverse, grads)
-    return unique, summed
 
 
 class RowSparseOptimizer:

@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from deeprec.runtime.hook import PrefetchHook
+
 W, T = 8, 12  # batches per inline phase and per trial; the first few of each are warm-up
 WARM = 2
 TRY_BELOW = 0.95  # try the thread executor where predicted below this share of off's time
@@ -60,8 +62,6 @@ def _median_ms(values: list[float]) -> float:
 
 def run_auto(fast, reader, step, before_step=None):
     """Yields (outputs, reader position after the batch) for every batch of `reader`."""
-    from deeprec.runtime.optimized import PrefetchHook
-
     decision = fast.auto_decision = AutoDecision()
     cores = torch.get_num_threads()
     fewer = fast.config.main_threads or max(1, cores - 1)

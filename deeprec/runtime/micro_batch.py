@@ -20,6 +20,7 @@ import torch
 
 from deeprec.errors import ConfigError
 from deeprec.nn.lookup import EmbeddingLookup, embedding_lookups
+from deeprec.data.collate import batch_rows
 from deeprec.ragged import Ragged
 
 
@@ -28,15 +29,6 @@ def split_sizes(total: int, n: int) -> list[int]:
         raise ConfigError(f"micro_batch_num={n} is larger than the batch ({total} rows)")
     base, extra = divmod(total, n)
     return [base + 1 if k < extra else base for k in range(n)]
-
-
-def batch_rows(batch) -> int:
-    for value in (batch.values() if isinstance(batch, dict) else batch):
-        if isinstance(value, Ragged):
-            return len(value.offsets) - 1
-        if isinstance(value, torch.Tensor) and value.ndim > 0:
-            return int(value.shape[0])
-    raise ConfigError("cannot split the batch: it holds no tensor or array with a batch dimension")
 
 
 def split_batch(batch, n: int) -> list:

@@ -12,8 +12,8 @@ process, on parameter servers and collectively, so the trainer names no mode.
     serving exports while training ────> export_writer(...)
     the run's summary ─────────────────> summary()                (traffic, tier stats)
 
-`LocalStrategy` is training in this process; `deeprec.distributed.ps_strategy.ParameterServer`
-and `deeprec.distributed.collective_strategy.Collective` are the other two. The base class owns
+`LocalStrategy` is training in this process; `deeprec.distributed.ps.strategy.ParameterServer`
+and `deeprec.distributed.collective.strategy.Collective` are the other two. The base class owns
 what they share (the checkpoint chain, one-process evaluation); a subclass fills in its parts.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@
     checkpoints:  updater.state_dict() / load_state_dict()   local: model + optimizer; PS: snapshot
 
 `LocalUpdater` is the single-process implementation; the parameter-server one is
-`deeprec.distributed.worker.PSUpdater`, the collective one `deeprec.distributed.collective.CollectiveUpdater`
+`deeprec.distributed.ps.worker.PSUpdater`, the collective one `deeprec.distributed.collective.sharded.CollectiveUpdater`
 (a LocalUpdater with a dense all-reduce before the step). Each Strategy (deeprec.runtime.strategy)
 builds its own.
 """

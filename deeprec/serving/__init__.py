@@ -18,7 +18,7 @@ from deeprec.atomic import sha256_file
 from deeprec.data.collate import collate
 from deeprec.data.schema import schema_from_dict
 from deeprec.errors import ConfigError, DeepRecError
-from deeprec.runtime.micro_batch import batch_rows  # one definition of a raw batch's rows
+from deeprec.data.collate import batch_rows
 from deeprec.serving.export import FORMAT, MANIFEST, PROGRAM, TABLES, export
 
 

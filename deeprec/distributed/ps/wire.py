@@ -25,6 +25,10 @@ class WireError(ValueError):
     """A malformed message: its text is sent back as the gRPC error detail."""
 
 
+class ResourceExhausted(WireError):
+    """A request that would take the shard past its limits: RESOURCE_EXHAUSTED, nothing changed."""
+
+
 def pack(header: dict, tensors: dict[str, torch.Tensor] | None = None) -> bytes:
     """Message with `header` plus each tensor, described under header["tensors"]."""
     parts, specs, offset = [], {}, 0

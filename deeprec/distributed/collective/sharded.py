@@ -1,7 +1,7 @@
 """Collective training's embedding half: table rows sharded over the ranks, by all-to-all.
 
     rank r, one step (world N; EmbeddingVariable rows of key k live on rank k % 1000 % N, fixed
-    tables' rows row-wise or table-wise per deeprec.distributed.sharding's plan):
+    tables' rows row-wise or table-wise per deeprec.distributed.collective.planner's plan):
 
     forward   unique keys of each table ──all_to_all(counts, ids)──> the owners look up their rows
               (one lookup per table, keys from every rank merged) ──all_to_all(values)──> rows [U, D]
@@ -26,9 +26,9 @@ from deeprec.distributed.allreduce import Traffic
 from deeprec.errors import ConfigError, NonFiniteError
 from deeprec.nn.collection import EmbeddingCollection, FusedLookup
 from deeprec.nn.lookup import EmbeddingLookup, assemble
-from deeprec.nn.variable import EmbeddingVariable, shard_of
-from deeprec.optim import merge_rows
-from deeprec.distributed.sharding import FixedShard, describe_plan, plan_lookup
+from deeprec.nn.variable import shard_of
+from deeprec.nn.lookup import merge_rows
+from deeprec.distributed.collective.planner import FixedShard, describe_plan, plan_lookup
 from deeprec.runtime.updater import LocalUpdater
 
 
@@ -285,7 +285,7 @@ def _lockstep(reader):
 class CollectiveUpdater(LocalUpdater):
     """The trainer's updater under torchrun (`torchrun --nproc-per-node N -m deeprec train ...`):
     embeddings sharded by all-to-all, dense gradients averaged by bucketed all-reduces launched
-    during the backward (deeprec.distributed.buckets), then one step of everything.
+    during the backward (deeprec.distributed.collective.buckets), then one step of everything.
 
     The owners keep their rows' gradients until `apply` (ShardedLookup.fused False): a step whose
     averaged dense gradients are not finite (any rank's inf or nan spreads into the mean, so every
@@ -294,7 +294,7 @@ class CollectiveUpdater(LocalUpdater):
     def __init__(self, model: nn.Module, optimizer: str, lr: float, rank: int, world_size: int,
                  device: torch.device = torch.device("cpu"), overlap: bool = True):
         from deeprec.distributed.allreduce import broadcast_parameters, join_process_group, rendezvous_from_env
-        from deeprec.distributed.buckets import BucketedAllReduce
+        from deeprec.distributed.collective.buckets import BucketedAllReduce
         from deeprec.optim import make_optimizer
         from deeprec.runtime.device import move_dense, place_tables
 

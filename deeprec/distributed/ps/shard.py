@@ -7,7 +7,7 @@
 
 The shard owns the keys `key % 1000 % num_shards == shard_index` of every
 embedding variable and the dense variables assigned to it. Requests and replies
-are `deeprec.distributed.wire` messages; a malformed one gets INVALID_ARGUMENT
+are `deeprec.distributed.ps.wire` messages; a malformed one gets INVALID_ARGUMENT
 with the reason, never a crash.
 """
 from __future__ import annotations
@@ -20,10 +20,10 @@ import threading
 import grpc
 import torch
 
-from deeprec.distributed import security
-from deeprec.distributed.tuning import core_number, pin_cores, pin_current_thread
-from deeprec.distributed.ps_state import MAX_DIM, MAX_WAIT_S, ResourceExhausted, ShardState, int_field
-from deeprec.distributed.wire import WireError, pack, unpack
+from deeprec.distributed.ps import security
+from deeprec.distributed.ps.tuning import core_number, pin_cores, pin_current_thread
+from deeprec.distributed.ps.state import MAX_DIM, MAX_WAIT_S, ResourceExhausted, ShardState, int_field
+from deeprec.distributed.ps.wire import WireError, pack, unpack
 from deeprec.errors import ConfigError
 from deeprec.nn.options import StorageOption
 from deeprec.runtime.memory import tune_malloc
@@ -121,7 +121,7 @@ def serve(bind: str, shard_index: int, num_shards: int, threads: int | None = No
           credentials=None, insecure: bool = False, storage: StorageOption | None = None) -> tuple[grpc.Server, int]:
     """Start a PS shard listening on `bind` ("host:port", port 0 = any); returns (server, port).
     `threads`: gRPC handler threads (default NETWORK_PS_CORE_NUMBER, else min(8, connections)).
-    `token`: every call must carry it (deeprec.distributed.security); a non-loopback `bind`
+    `token`: every call must carry it (deeprec.distributed.ps.security); a non-loopback `bind`
     without one is refused unless `insecure`. `credentials`: gRPC SSL server credentials."""
     if not token and not insecure and not security.is_loopback(bind):
         raise ConfigError(f"the PS would listen on {bind} with no token: anyone who reaches it could read and "

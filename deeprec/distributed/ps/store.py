@@ -17,7 +17,7 @@ import torch
 import deeprec._C  # noqa: F401  (registers torch.ops.deeprec.ps_index_*)
 from deeprec.nn.variable import shard_of
 from deeprec.optim import sparse
-from deeprec.optim.sparse import merge_rows
+from deeprec.nn.lookup import merge_rows
 from deeprec.runtime.memory import reserved_empty
 
 _INDEX_BYTES = 32  # 2 table slots per row (kept <= half full) x 16 bytes

@@ -64,7 +64,7 @@ def describe_plan(plans: list[TablePlan], world: int) -> list[str]:
             per_rank[p.owner] += p.bytes
         else:
             per_rank = [b + p.bytes / world for b in per_rank]
-    lines = [f"collective sharding over {world} ranks (deeprec.distributed.sharding):"]
+    lines = [f"collective sharding over {world} ranks (deeprec.distributed.collective.planner):"]
     lines += [f"  {p.describe()}" for p in plans]
     if any(p.rows is not None for p in plans):
         lines.append("  fixed tables per rank: " + ", ".join(f"rank {r} {b / 2**20:,.1f} MiB" for r, b in enumerate(per_rank)))

@@ -1,6 +1,6 @@
 """The variables of one PS shard and the requests on them (one at a time: the servicer holds the shard's lock).
 
-Requests are `deeprec.distributed.wire` messages. Rows travel fused, not per variable:
+Requests are `deeprec.distributed.ps.wire` messages. Rows travel fused, not per variable:
 
     Pull   header {"embeddings": [names], "dense": [names], "train": bool}
            tensors keys int64 [N] (variable by variable), counts int64 [len(embeddings)]
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from deeprec.distributed.ps_store import DenseGroup, EmbeddingArena
-from deeprec.distributed.ps_tiered import TieredArena
-from deeprec.distributed.wire import WireError
+from deeprec.distributed.ps.store import DenseGroup, EmbeddingArena
+from deeprec.distributed.ps.tiered import TieredArena
+from deeprec.distributed.ps.wire import ResourceExhausted, WireError
 from deeprec.nn.options import InitializerOption, StorageOption
 from deeprec.nn.variable import shard_of
 from deeprec.optim.sparse import row_sparse_optimizer
@@ -34,10 +34,6 @@ from deeprec.optim.sparse import row_sparse_optimizer
 MAX_DIM = 8192  # embedding dim a Register may ask for
 MAX_WAIT_S = 120.0  # longest a sync step's pushes wait for the other workers'
 log = logging.getLogger("deeprec.ps")
-
-
-class ResourceExhausted(WireError):
-    """A request that would take the shard past its limits: RESOURCE_EXHAUSTED, nothing changed."""
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""A PS shard's embedding rows in DRAM + disk tiers (`python -m deeprec.distributed --storage ssd`).
+"""A PS shard's embedding rows in DRAM + disk tiers (`python -m deeprec.distributed.ps --storage ssd`).
 
     TieredArena: EmbeddingArena's interface over one TieredEmbeddingVariable per variable
         (variable id, key) ──> the variable's DRAM row (promoted from disk when cold)
@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from deeprec.distributed.ps.wire import ResourceExhausted
 from deeprec.errors import ConfigError
 from deeprec.nn.options import EmbeddingVariableOption, StorageOption
 from deeprec.nn.tiered import TieredEmbeddingVariable, sum_tier_stats
 from deeprec.optim import sparse
-from deeprec.optim.sparse import merge_rows
+from deeprec.nn.lookup import merge_rows
 
 _ROW_BITS = 40
 _INDEX_BYTES = 48  # a key's entries in the DRAM and disk indexes (pandas khash), about
@@ -63,8 +64,6 @@ class TieredArena:
             try:
                 rows = ev.rows_for(distinct, counts, train=insert)[inverse]
             except ConfigError as err:  # this request's keys do not fit the DRAM tier
-                from deeprec.distributed.ps_state import ResourceExhausted
-
                 raise ResourceExhausted(str(err)) from None
             out[sel] = torch.where(rows >= 0, (var << _ROW_BITS) | rows, -1)
         return out, repeated

@@ -1,8 +1,8 @@
 """`dr.distributed.Server(cluster, job_name, task_index, protocol)`, like `tf.train.Server`."""
 from __future__ import annotations
 
-from deeprec.distributed import security
-from deeprec.distributed.client import PROTOCOLS
+from deeprec.distributed.ps import security
+from deeprec.distributed.ps.client import PROTOCOLS
 from deeprec.distributed.cluster import ClusterSpec, ps_addresses, read_endpoint_map
 from deeprec.errors import ConfigError, check_choice
 
@@ -34,7 +34,7 @@ class Server:
             self.start()
 
     def start(self) -> None:
-        from deeprec.distributed.ps_shard import serve
+        from deeprec.distributed.ps.shard import serve
 
         workers = sum(self.cluster.num_tasks(j) for j in ("worker", "chief") if j in self.cluster.jobs)
         self._server, self.port = serve(self.bind_address, self.task_index, self.cluster.num_tasks("ps"),

@@ -21,13 +21,13 @@ import torch
 from torch import nn
 
 from deeprec.distributed.allreduce import DenseAllReduce, rendezvous_from_env
-from deeprec.distributed.client import DENSE_MODES, PSClient
+from deeprec.distributed.ps.client import DENSE_MODES, PSClient
 from deeprec.errors import ConfigError, check_choice
 from deeprec.nn.collection import EmbeddingCollection, FusedLookup
 from deeprec.nn.variable import EmbeddingVariable
 from deeprec.nn.lookup import EmbeddingLookup, RowGather, assemble
 from deeprec.optim.dense import OptimizerGroup, torch_optimizers
-from deeprec.optim.sparse import merge_rows
+from deeprec.nn.lookup import merge_rows
 
 
 class DeferredPush:
@@ -296,7 +296,7 @@ class PSUpdater:
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The worker's dense model (its replica, or the PSs' values pulled) under "model", as a
-        one-process checkpoint holds it (deeprec.distributed.ps_strategy.one_process_state merges the
+        one-process checkpoint holds it (deeprec.distributed.ps.strategy.one_process_state merges the
         PSs' rows into it: evaluate and export read PS checkpoints); the chief adds every PS's rows."""
         self._flush()
         self.pull_dense()

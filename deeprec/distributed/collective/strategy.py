@@ -48,7 +48,7 @@ class Collective(Strategy):
                               "--eval-data (every rank evaluates its share)")
 
     def prepare(self, model: nn.Module, cfg, device: torch.device):
-        from deeprec.distributed.collective import CollectiveUpdater
+        from deeprec.distributed.collective.sharded import CollectiveUpdater
         from deeprec.nn.collection import EmbeddingCollection
         from deeprec.nn.variable import EmbeddingVariable
 
@@ -84,13 +84,13 @@ class Collective(Strategy):
         return self.train_shards()
 
     def checkpoint_dir(self, base: str) -> str:
-        from deeprec.distributed.reshard import rank_dir
+        from deeprec.distributed.collective.reshard import rank_dir
 
         return rank_dir(base, self.rank, self.world_size)
 
     def restore(self, base: str, train_reader) -> Restored:
         """The newest step all ranks of one world size saved, resharded onto this one."""
-        from deeprec.distributed.reshard import restore_collective
+        from deeprec.distributed.collective.reshard import restore_collective
 
         found = restore_collective(base, self.rank, self.world_size)
         if found is None:
@@ -105,7 +105,7 @@ class Collective(Strategy):
         return restored
 
     def evaluate(self, model: nn.Module, batches) -> dict:
-        from deeprec.distributed.collective import evaluate_sharded
+        from deeprec.distributed.collective.sharded import evaluate_sharded
 
         return evaluate_sharded(model, batches)
 
@@ -113,7 +113,7 @@ class Collective(Strategy):
         """Communication per step, and the job's totals (every rank's rows; the slowest rank's time)."""
         import torch.distributed as dist
 
-        from deeprec.distributed.collective import _default_group_device
+        from deeprec.distributed.collective.sharded import _default_group_device
 
         rows = torch.tensor([float(result["rows"])], dtype=torch.float64, device=_default_group_device())
         seconds = torch.tensor([float(result["seconds"])], dtype=torch.float64, device=_default_group_device())

@@ -15,10 +15,10 @@ import zlib
 import grpc
 import torch
 
-from deeprec.distributed.ps_shard import GRPC_OPTIONS, SERVICE
-from deeprec.distributed import security
-from deeprec.distributed.tuning import core_number, pin_cores, pin_current_thread
-from deeprec.distributed.wire import pack, unpack
+from deeprec.distributed.ps.shard import GRPC_OPTIONS, SERVICE
+from deeprec.distributed.ps import security
+from deeprec.distributed.ps.tuning import core_number, pin_cores, pin_current_thread
+from deeprec.distributed.ps.wire import pack, unpack
 from deeprec.errors import DeepRecError, check_choice
 from deeprec.nn.variable import shard_of
 

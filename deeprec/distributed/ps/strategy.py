@@ -42,7 +42,7 @@ class ParameterServer(Strategy):
                               "collective (torchrun) training")
         if cfg.storage != "dram":
             raise ConfigError("--storage ssd tiers EmbeddingVariables of local training; a PS shard tiers its rows "
-                              "itself: python -m deeprec.distributed --storage ssd --dram-bytes N")
+                              "itself: python -m deeprec.distributed.ps --storage ssd --dram-bytes N")
         if cfg.optimize.async_embedding and cfg.sync:
             raise ConfigError("sync training reads each step's rows after the previous update; async_embedding "
                               "reads them earlier: choose one")
@@ -54,8 +54,8 @@ class ParameterServer(Strategy):
         return {"embedding": "variable"}  # a zoo model's tables as EmbeddingVariables
 
     def prepare(self, model: nn.Module, cfg, device: torch.device):
-        from deeprec.distributed import PSClient
-        from deeprec.distributed.worker import PSUpdater
+        from deeprec.distributed.ps.client import PSClient
+        from deeprec.distributed.ps.worker import PSUpdater
 
         self.twin = copy.deepcopy(model) if cfg.export_dir and self.is_chief else None  # before the swap
         self.host_tables = []
@@ -88,7 +88,7 @@ class PSExportWriter:
         return self.writer.last_step
 
     def _sync(self) -> None:
-        from deeprec.distributed.worker import ps_variables
+        from deeprec.distributed.ps.worker import ps_variables
 
         self.updater.prepare_eval()  # a held push sent, dense parameters pulled (dense="ps")
         twin = self.writer.model
@@ -118,7 +118,7 @@ class PSExportWriter:
 def one_process_state(model: nn.Module, state: dict) -> dict:
     """A PS chief's checkpoint as the state dict of the one-process `model` (built as trained,
     before any swap): the dense model the worker saved, every EmbeddingVariable's rows from the PSs."""
-    from deeprec.distributed.worker import ps_variables
+    from deeprec.distributed.ps.worker import ps_variables
 
     out = dict(state.get("model") or {})
     snapshot = state["ps"]
