@@ -19,7 +19,7 @@ import tempfile
 
 import torch
 
-from deeprec.errors import ConfigError
+from deeprec.errors import ConfigError, StorageFullError
 from deeprec.nn.disk_rows import DiskRows
 from deeprec.nn.options import EmbeddingVariableOption, GlobalStepEvict, L2WeightEvict, StorageOption
 from deeprec.nn.variable import EmbeddingVariable, KeyIndex, shard_of
@@ -255,7 +255,7 @@ class TieredEmbeddingVariable(EmbeddingVariable):
             if bool(missing.any()):
                 try:
                     self.stats["prefetched"] += self._promote(torch.unique(keys[missing]), staged=True)
-                except ConfigError:  # no room now: the lookup will read them from disk
+                except (ConfigError, StorageFullError):  # no room now: the lookup will read them from disk
                     self.stats["prefetch_skipped"] += 1
 
     def current_rows(self, rows: torch.Tensor, generation) -> torch.Tensor:
@@ -343,6 +343,11 @@ class TieredEmbeddingVariable(EmbeddingVariable):
         cached, on_disk = rows >= 0, (rows < 0) & (slots >= 0)
         new = torch.nonzero((rows < 0) & (slots < 0)).squeeze(1)
         into_dram = new[: min(new.numel(), self._free.numel())]  # free DRAM first, the rest to disk
+        to_disk = new[into_dram.numel():]
+        if to_disk.numel():  # first: a disk tier with no room (StorageFullError) changes no row
+            slots[to_disk] = self.disk.allocate(to_disk.numel())
+            self._disk_index.insert(keys[to_disk].numpy(), slots[to_disk].numpy())
+            on_disk[to_disk] = True
         if into_dram.numel():
             rows[into_dram] = self._take_rows(into_dram.numel())
             self.occupied[rows[into_dram]] = True
@@ -350,11 +355,6 @@ class TieredEmbeddingVariable(EmbeddingVariable):
             self._index.insert(keys[into_dram].numpy(), rows[into_dram].numpy())
             self.size += into_dram.numel()
             cached[into_dram] = True
-        to_disk = new[into_dram.numel():]
-        if to_disk.numel():
-            slots[to_disk] = self.disk.allocate(to_disk.numel())
-            self._disk_index.insert(keys[to_disk].numpy(), slots[to_disk].numpy())
-            on_disk[to_disk] = True
         r = rows[cached]
         self.keys[r], self.freq[r], self.version[r], self.dirty[r] = keys[cached], pick["freq"][cached], \
             pick["version"][cached], False

@@ -7,26 +7,47 @@
 A row may leave DRAM between requests, so rows are only used within the request that
 found them (a pull gathers at once; a push finds its rows when it applies them, which
 for sync training is when the last worker's push arrives: ShardState._apply).
+
+A disk tier with no room (its filesystem full: StorageFullError, "no space left on PATH: N bytes
+needed") or a --storage-path that cannot hold it (ConfigError) answers the request that met it
+with RESOURCE_EXHAUSTED and that text; the shard keeps serving (never a SIGBUS: disk_rows
+reserves the file's blocks before it maps them).
 """
 from __future__ import annotations
+
+import contextlib
+import tempfile
 
 import torch
 
 from deeprec.distributed.ps.wire import ResourceExhausted
-from deeprec.errors import ConfigError
+from deeprec.errors import ConfigError, StorageFullError
 from deeprec.nn.options import EmbeddingVariableOption, StorageOption
 from deeprec.nn.tiered import TieredEmbeddingVariable, sum_tier_stats
 from deeprec.optim import sparse
 from deeprec.nn.lookup import merge_rows
+from deeprec.nn.disk_rows import check_tier_folder
 
 _ROW_BITS = 40
 _INDEX_BYTES = 48  # a key's entries in the DRAM and disk indexes (pandas khash), about
+
+
+@contextlib.contextmanager
+def _disk_errors(*also: type[Exception]):
+    """A full disk tier (and the errors `also` names) as the request's answer: RESOURCE_EXHAUSTED with
+    their one line."""
+    try:
+        yield
+    except (StorageFullError, *also) as err:
+        raise ResourceExhausted(str(err)) from None
 
 
 class TieredArena:
     def __init__(self, dim: int, optimizer: sparse.RowSparseOptimizer, storage: StorageOption,
                  shard_index: int = 0, num_shards: int = 1):
         self.dim, self.optimizer, self.storage = dim, optimizer, storage
+        with _disk_errors(ConfigError):  # a --storage-path that cannot hold the tier: its Register fails
+            check_tier_folder(storage.path or tempfile.gettempdir())
         self.shard_index, self.num_shards = shard_index, num_shards
         self.names: list[str] = []
         self.variables: list[TieredEmbeddingVariable] = []
@@ -34,10 +55,11 @@ class TieredArena:
                       for name, (_, per_element) in optimizer.slot_specs().items()}
 
     def add(self, name: str, defaults: torch.Tensor) -> int:
-        ev = TieredEmbeddingVariable(self.dim, ev_option=EmbeddingVariableOption(storage=self.storage), name=name,
-                                     shard_index=self.shard_index, num_shards=self.num_shards)
-        ev._defaults = defaults.float().clone()  # the worker's initializer matrix
-        ev.attach_slots(self.optimizer.slot_specs())
+        with _disk_errors(ConfigError):
+            ev = TieredEmbeddingVariable(self.dim, ev_option=EmbeddingVariableOption(storage=self.storage), name=name,
+                                         shard_index=self.shard_index, num_shards=self.num_shards)
+            ev._defaults = defaults.float().clone()  # the worker's initializer matrix
+            ev.attach_slots(self.optimizer.slot_specs())
         self.names.append(name)
         self.variables.append(ev)
         return len(self.names) - 1
@@ -61,10 +83,8 @@ class TieredArena:
             repeated += mine.numel() - distinct.numel()
             ev = self.variables[var]
             ev.global_step = self.optimizer.step_count  # the version a new row starts with
-            try:
+            with _disk_errors(ConfigError):  # this request's keys do not fit the DRAM tier, or the disk tier is full
                 rows = ev.rows_for(distinct, counts, train=insert)[inverse]
-            except ConfigError as err:  # this request's keys do not fit the DRAM tier
-                raise ResourceExhausted(str(err)) from None
             out[sel] = torch.where(rows >= 0, (var << _ROW_BITS) | rows, -1)
         return out, repeated
 
@@ -89,7 +109,8 @@ class TieredArena:
             if repeated:
                 local, g = merge_rows(local, g)
             ev.global_step = self.optimizer.step_count
-            ev.apply_update(self.optimizer, local, g)
+            with _disk_errors():  # a row that went to disk since the lookup, promoted back: may evict
+                ev.apply_update(self.optimizer, local, g)
 
     def export(self, var: int) -> dict:
         state = self.variables[var].export()
@@ -99,7 +120,8 @@ class TieredArena:
 
     def load(self, states: dict[int, dict], shard_index: int, num_shards: int) -> None:
         for var, state in states.items():  # each variable keeps this shard's keys (its shard_of filter)
-            self.variables[var].load({**state, "global_step": torch.tensor(self.optimizer.step_count)})
+            with _disk_errors():
+                self.variables[var].load({**state, "global_step": torch.tensor(self.optimizer.step_count)})
 
     def tier_stats(self) -> dict:
         return sum_tier_stats(self.variables)
