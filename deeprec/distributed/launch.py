@@ -18,9 +18,13 @@ environment). Every process it starts runs in its own session, so a Ctrl-C at th
 reaches the launcher alone: SIGTERM or SIGINT to the launcher goes to the workers, which finish
 their step and checkpoint (exit 143/130); the PSs stay up for the chief's snapshot and are
 stopped once the workers have exited; all of them are reaped before the launcher exits.
+Should the launcher itself die (SIGKILL, OOM killer), every process it started gets SIGTERM from
+the kernel (Linux PR_SET_PDEATHSIG, set in the child before it runs): no PS is left orphaned.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import os
 import secrets
@@ -34,8 +38,42 @@ import threading
 import time
 
 from deeprec.distributed.ps.client import PROTOCOLS
-from deeprec.distributed.ps.security import TOKEN_ENV
+from deeprec.security import TOKEN_ENV
 from deeprec.errors import ConfigError
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _load_prctl():
+    """libc's prctl, resolved here (a child between fork and exec must not load libraries), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+_prctl = _load_prctl()
+
+
+def die_with_parent(sig: int = signal.SIGTERM):
+    """A Popen preexec_fn: the child gets `sig` when the process that started it dies, however it dies
+    (PR_SET_PDEATHSIG; None where there is no prctl). Combines with start_new_session, which Popen applies first."""
+    if _prctl is None:
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        _prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before the line above: nobody would signal us
+            os.kill(os.getpid(), sig)
+
+    return preexec
 
 
 def _free_port() -> int:
@@ -118,7 +156,8 @@ def _run(num_ps: int, num_workers: int, protocol: str, train_args: list[str], ou
     for i in range(num_ps):
         proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed.ps", "--bind", "127.0.0.1:0",
                                  "--shard", str(i), "--num-shards", str(num_ps), "--workers", str(num_workers)],
-                                stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                                stdout=subprocess.PIPE, text=True, env=env, start_new_session=True,
+                                preexec_fn=die_with_parent())
         children.append(proc)
         line = proc.stdout.readline()
         if "listening on" not in line:
@@ -164,7 +203,8 @@ def _run_workers(envs: list[dict], train_args: list[str], out, children: Childre
     for i, worker_env in enumerate(envs):
         proc = subprocess.Popen([sys.executable, "-m", "deeprec.cli", *train_args],
                                 env=dict(worker_env, DEEPREC_LAUNCHED="1", DEEPREC_RESULT_DIR=results),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                preexec_fn=die_with_parent())
         children.append(proc)
         children.workers.append(proc)
         thread = threading.Thread(target=_stream, args=(f"worker{i}", proc.stdout, out), daemon=True)

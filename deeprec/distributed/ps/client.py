@@ -17,6 +17,7 @@ import torch
 
 from deeprec.distributed.ps.shard import GRPC_OPTIONS, SERVICE
 from deeprec.distributed.ps import security
+from deeprec.security import read_token
 from deeprec.distributed.ps.tuning import core_number, pin_cores, pin_current_thread
 from deeprec.distributed.ps.wire import pack, unpack
 from deeprec.errors import DeepRecError, check_choice
@@ -35,7 +36,7 @@ class PSClient:
         check_choice("protocol", protocol, PROTOCOLS)
         self.addresses, self.protocol, self.deadline_s = list(addresses), protocol, deadline_s
         self.channels = [security.channel(a, GRPC_OPTIONS) for a in self.addresses]
-        self._metadata = security.call_metadata(security.read_token())  # DEEPREC_PS_TOKEN
+        self._metadata = security.call_metadata(read_token())  # DEEPREC_PS_TOKEN
         self._calls = {m: [ch.unary_unary(f"/{SERVICE}/{m}") for ch in self.channels]
                        for m in ("Register", "Pull", "Push", "PushPull", "Export", "Load", "Health")}
         # NETWORK_WORKER_CORE_NUMBER threads encode and decode; the pool has at least one
@@ -61,6 +62,32 @@ class PSClient:
     def _invoke(self, method: str, ps: int, header: dict, tensors: dict) -> tuple[dict, dict]:
         if method in ("Pull", "PushPull") and self.after_step is not None:
             header = {**header, "after_step": self.after_step}
+        reply = self._invoke_once(method, ps, header, tensors)
+        if method == "Pull" and "rows" in reply[0]:  # an evaluation pull past the PS's reply bound
+            return self._pull_rest(ps, header, tensors, reply)
+        return reply
+
+    def _pull_rest(self, ps: int, header: dict, tensors: dict, first: tuple[dict, dict]) -> tuple[dict, dict]:
+        """The rest of a chunked evaluation Pull: the remaining keys, in windows of the rows the PS answered
+        first (each reply again under its bound; a shorter one says so, and the next window starts there)."""
+        keys, counts = tensors["keys"], tensors["counts"]
+        last = torch.cumsum(counts, 0)
+        values = {k: [v] for k, v in first[1].items() if k.startswith("values/")}
+        done = window = int(first[0]["rows"])
+        request = {"embeddings": header["embeddings"], "dense": [], "train": False}
+        while done < keys.numel():
+            if window < 1:
+                raise PSError(f"PS {ps} at {self.addresses[ps]}: Pull answered no rows of a chunked evaluation pull")
+            end = min(keys.numel(), done + window)
+            part = torch.clamp(torch.clamp(last, max=end) - torch.clamp(last - counts, min=done), min=0)
+            reply_header, reply = self._invoke_once("Pull", ps, request, {"keys": keys[done:end], "counts": part})
+            for k, v in reply.items():
+                values.setdefault(k, []).append(v)
+            window = int(reply_header.get("rows", end - done))
+            done += window
+        return first[0], {**first[1], **{k: torch.cat(v) for k, v in values.items()}}
+
+    def _invoke_once(self, method: str, ps: int, header: dict, tensors: dict) -> tuple[dict, dict]:
         request = pack(header, tensors)
         try:
             reply = self._calls[method][ps](request, timeout=self.deadline_s, metadata=self._metadata)

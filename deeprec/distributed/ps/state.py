@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
 
 import torch
 
-from deeprec.distributed.ps.store import DenseGroup, EmbeddingArena
+from deeprec.distributed.ps.store import DenseGroup, EmbeddingArena, load_bytes, row_bytes
 from deeprec.distributed.ps.tiered import TieredArena
 from deeprec.distributed.ps.wire import ResourceExhausted, WireError
 from deeprec.nn.options import InitializerOption, StorageOption
@@ -33,6 +34,10 @@ from deeprec.optim.sparse import row_sparse_optimizer
 
 MAX_DIM = 8192  # embedding dim a Register may ask for
 MAX_WAIT_S = 120.0  # longest a sync step's pushes wait for the other workers'
+MAX_REPLY = 64 << 20  # default bound of an evaluation Pull's reply (larger ones are answered in chunks)
+MIN_REPLY = 64 << 10  # the smallest bound a server may set: a row of MAX_DIM fits twice
+MAX_MESSAGE = 1 << 30  # the transport's message cap (shard.GRPC_OPTIONS): a training Pull's reply must fit
+_REPLY_SLACK = 16 << 10  # a reply's header and alignment, beyond its tensors' bytes
 log = logging.getLogger("deeprec.ps")
 
 
@@ -51,8 +56,9 @@ make_optimizer = functools.partial(row_sparse_optimizer, error=WireError)  # a b
 
 class ShardState:
     def __init__(self, shard_index: int, num_shards: int, max_memory: int | None = None, max_dim: int = MAX_DIM,
-                 storage: StorageOption | None = None):
+                 storage: StorageOption | None = None, max_reply: int = MAX_REPLY):
         self.shard_index, self.num_shards = shard_index, num_shards
+        self.max_reply = max(MIN_REPLY, max_reply)  # an evaluation Pull's reply, in bytes (then chunked)
         self.storage = storage  # with an ssd tier: each embedding variable's rows in DRAM + disk (TieredArena)
         self.max_memory = _memory_budget() if max_memory is None else max_memory
         self.max_dim = max_dim
@@ -82,33 +88,54 @@ class ShardState:
         variables = header.get("variables", [])
         if not isinstance(variables, list) or not all(isinstance(s, dict) for s in variables):
             raise WireError("header 'variables' must be a list of objects")
-        new = []
+        new, seen, needed, arenas = [], set(), 0, set()
         for spec in variables:  # validate every spec and the memory they need before creating any
             name, kind = spec.get("name"), spec.get("kind")
             if not isinstance(name, str) or not name:
-                raise WireError(f"a variable needs a non-empty string name, got {name!r}")
-            lr = _spec_field(spec, "lr", float, 0.01, low=0.0)
+                raise WireError(f"Register: a variable needs a non-empty string name, got {name!r}")
+            if name in seen:
+                raise WireError(f"Register: variable {name!r} is given twice")
+            seen.add(name)
+            lr = _spec_field(spec, "lr", float, 0.01)
+            if not (math.isfinite(lr) and lr > 0):
+                raise WireError(f"Register: variable {name!r}: lr must be > 0 and finite, got {lr!r} (e.g. 0.01)")
             optimizer = spec.get("optimizer", "adagrad")
             if not isinstance(optimizer, str):
-                raise WireError(f"variable {name!r}: 'optimizer' must be a string")
-            make_optimizer(optimizer, lr)
+                raise WireError(f"Register: variable {name!r}: 'optimizer' must be a string")
+            opt = make_optimizer(optimizer, lr)
+            if kind in ("embedding", "dense") and name in (self.dense if kind == "embedding" else self.embeddings):
+                raise WireError(f"Register: variable {name!r} is already registered as "
+                                f"{'dense' if kind == 'embedding' else 'embedding'}, not {kind}")
             if kind == "embedding":
                 dim = _spec_field(spec, "dim", int, None, low=1, high=self.max_dim)
                 defaults = tensors.get(f"defaults/{name}")  # the worker's initializer matrix
                 if defaults is not None and (defaults.dim() != 2 or defaults.shape[1] != dim or not len(defaults)
                                              or not defaults.is_floating_point()):
-                    raise WireError(f"variable {name!r}: defaults must be a float [n >= 1, {dim}] tensor")
+                    raise WireError(f"Register: 'defaults/{name}' must be a float [n >= 1, {dim}] tensor, got "
+                                    f"{str(defaults.dtype)[6:]} {list(defaults.shape)}")
                 if name not in self.embeddings:
-                    new.append((name, kind, (dim, optimizer, lr), defaults))
+                    if defaults is not None:
+                        _check_finite(defaults, f"defaults/{name}", "value", "nothing was registered")
+                        needed += 4 * defaults.numel()  # held as float32, stacked with the arena's others
+                    else:
+                        needed += 4 * InitializerOption().default_value_dim * dim
+                    key = (dim, optimizer, lr)
+                    if key not in self.arenas and key not in arenas:  # a new arena: its first rows and index
+                        arenas.add(key)
+                        needed += 1024 * (row_bytes(dim, opt) + 32)
+                    new.append((name, kind, key, defaults))
             elif kind == "dense":
                 init = tensors.get(f"init/{name}")
                 if name not in self.dense:
                     if init is None or not init.is_floating_point():
-                        raise WireError(f"dense variable {name!r} registered without its float initial value")
+                        raise WireError(f"Register: 'init/{name}' must be the dense variable's float initial value, "
+                                        f"got {'nothing' if init is None else str(init.dtype)[6:]}")
+                    _check_finite(init, f"init/{name}", "value", "nothing was registered")
+                    per_element = sum(1 for _, e in opt.slot_specs().values() if e)
+                    needed += 4 * init.numel() * (2 + per_element)  # value and slots, and the copy that grows them
                     new.append((name, kind, (optimizer, lr), init))
             else:
-                raise WireError(f"variable {name!r}: kind must be 'embedding' or 'dense', got {kind!r}")
-        needed = sum(4 * 1024 * (2 * k[0] + 16) if kind == "embedding" else 3 * 4 * t.numel() for _, kind, k, t in new)
+                raise WireError(f"Register: variable {name!r}: 'kind' must be 'embedding' or 'dense', got {kind!r}")
         self._reserve(needed, f"registering {len(new)} variable(s)")
         for name, kind, key, tensor in new:
             if kind == "embedding":
@@ -175,16 +202,54 @@ class ShardState:
         return names
 
     def pull(self, header: dict, tensors: dict, prefix: str = "") -> dict:
-        """Rows of the keys (training inserts unseen keys; evaluation reads zeros for them)
-        and dense values. Everything is checked, and the memory budget once, before any insert."""
+        """Rows of the keys (training inserts unseen keys; evaluation reads zeros for them) and dense
+        values; an evaluation pull past `max_reply` answers a prefix of its keys (`pull_reply` says which)."""
+        return self.pull_reply(header, tensors, prefix)[1]
+
+    def pull_reply(self, header: dict, tensors: dict, prefix: str = "") -> tuple[dict, dict]:
+        """(reply header, `pull`'s tensors): `pull_plan` then `pull_run`."""
+        return self.pull_run(self.pull_plan(header, tensors, prefix))
+
+    def pull_plan(self, header: dict, tensors: dict, prefix: str = "") -> tuple:
+        """A Pull checked whole, the memory budget included, before anything changes.
+
+        An evaluation pull (train false) whose rows pass `max_reply` bytes is cut to the prefix of its
+        keys that fits: the reply's header then says {"rows": m} (of the request's keys, in order), and
+        the client asks for the rest (PSClient). A training pull is answered whole (its keys are a batch's)."""
         _check_fields(header, ("embeddings", "dense", "train"), "Pull")
         train = header.get("train", True)
         if not isinstance(train, bool):
-            raise WireError(f"header 'train' must be true or false, got {train!r}")
+            raise WireError(f"Pull: header 'train' must be true or false, got {train!r}")
         parts, dense = self._rows_request(header, tensors, prefix), self._dense_names(header)
-        if train and parts:
-            growth = sum(p.keys.numel() * p.arena.bytes_per_row() for p in parts)
-            self._reserve(growth, f"inserting up to {sum(p.keys.numel() for p in parts)} keys")
+        reply = {}
+        if parts:
+            nbytes = sum(4 * p.keys.numel() * p.dim for p in parts)
+            if train:
+                if nbytes > MAX_MESSAGE - _REPLY_SLACK:
+                    raise ResourceExhausted(f"Pull: a training pull of {sum(p.keys.numel() for p in parts):,} keys "
+                                            f"would answer {nbytes:,} bytes, past the {MAX_MESSAGE:,}-byte message "
+                                            "cap: split the batch")
+                growth = sum(p.keys.numel() * p.arena.bytes_per_row() for p in parts)
+                self._reserve(growth, f"Pull: inserting up to {sum(p.keys.numel() for p in parts)} keys")
+            elif nbytes + _dense_bytes(self, dense) > self.max_reply - _REPLY_SLACK:
+                parts, rows = self._first_rows(header, tensors, prefix, dense)
+                reply = {"rows": rows}
+        return train, parts, dense, reply
+
+    def _first_rows(self, header: dict, tensors: dict, prefix: str, dense: list) -> tuple[list, int]:
+        """The parts of the longest prefix of the request's keys whose rows fit `max_reply` (at least one key)."""
+        names = header["embeddings"]
+        keys, counts = tensors[prefix + "keys"], tensors[prefix + "counts"]
+        dims = torch.tensor([self.embeddings[n][0].dim for n in names], dtype=torch.int64)
+        budget = self.max_reply - _REPLY_SLACK - _dense_bytes(self, dense)
+        ends = torch.cumsum(torch.repeat_interleave(4 * dims, counts), 0)  # reply bytes after each key
+        rows = max(1, int(torch.searchsorted(ends, torch.tensor([budget]), right=True)))
+        last = torch.cumsum(counts, 0)
+        cut = torch.clamp(torch.clamp(last, max=rows) - (last - counts), min=0)
+        return self._rows_request(header, {prefix + "keys": keys[:rows], prefix + "counts": cut}, prefix), rows
+
+    def pull_run(self, plan: tuple) -> tuple[dict, dict]:
+        train, parts, dense, reply = plan
         out = {}
         for dim in dict.fromkeys(p.dim for p in parts):
             mine = [p for p in parts if p.dim == dim]
@@ -197,7 +262,7 @@ class ShardState:
                     values[p.position] = p.arena.gather(rows)
             out[f"values/{dim}"] = values
         out.update({f"dense/{name}": self.dense[name].view(name) for name in dense})
-        return out
+        return reply, out
 
     def push(self, header: dict, tensors: dict, prefix: str = "") -> None:
         """Apply gradients now (async), or, with `workers` > 1, collect step `step`'s
@@ -280,28 +345,41 @@ class ShardState:
         return out
 
     def _check_load(self, tensors: dict) -> None:
-        """Everything a Load needs, checked before anything changes (a Load is atomic)."""
-        for name, (arena, _) in self.embeddings.items():
+        """Everything a Load needs, checked before anything changes (a Load is atomic): each field's
+        presence, dtype, shape and finiteness, the keys, and the memory the rebuilt arenas will hold."""
+        loaded: dict[int, dict[int, int]] = {}  # id(arena) -> {variable id: rows this shard keeps}
+        for name, (arena, var) in self.embeddings.items():
             prefix = f"emb/{name}/"
             if not any(k.startswith(prefix) for k in tensors):
                 continue
             need = ["keys", "values", "freq", "version", "global_step"] + [f"slot.{s}" for s in arena.slots]
-            missing = [k for k in need if prefix + k not in tensors] + \
+            missing = [prefix + k for k in need if prefix + k not in tensors] + \
                       ([f"opt/{name}"] if f"opt/{name}" not in tensors else [])
             if missing:
                 raise WireError(f"Load of {name!r} lacks {', '.join(missing)}: nothing was changed")
             keys = tensors[prefix + "keys"]
             n = keys.shape[0] if keys.dim() == 1 else -1
             if keys.dtype != torch.int64 or n < 0:
-                raise WireError(f"Load of {name!r}: keys must be a 1-D int64 tensor")
+                raise WireError(f"Load: '{prefix}keys' must be a 1-D int64 tensor, got {str(keys.dtype)[6:]} "
+                                f"{list(keys.shape)}: nothing was changed")
+            if n and bool((keys < 0).any()):
+                raise WireError(f"Load: '{prefix}keys' must be >= 0: nothing was changed")
             shapes = {"values": [n, arena.dim], "freq": [n], "version": [n]}
             shapes.update({f"slot.{s}": [n, *slot.shape[1:]] for s, slot in arena.slots.items()})
             for key, shape in shapes.items():
-                if list(tensors[prefix + key].shape) != shape:
-                    raise WireError(f"Load of {name!r}: {key} has shape {list(tensors[prefix + key].shape)}, "
-                                    f"expected {shape}: nothing was changed")
+                t = tensors[prefix + key]
+                floating = key == "values" or key.startswith("slot.")
+                if list(t.shape) != shape or t.is_floating_point() != floating or t.dtype == torch.bool:
+                    raise WireError(f"Load: '{prefix}{key}' is {str(t.dtype)[6:]} {list(t.shape)}, expected "
+                                    f"{'float' if floating else 'int64'} {shape}: nothing was changed")
+                if floating:
+                    _check_finite(t, prefix + key, "value", "nothing was changed")
+            _check_count(tensors, prefix + "global_step")
+            _check_count(tensors, f"opt/{name}")
             if torch.unique(keys).numel() != n:
-                raise WireError(f"Load of {name!r}: a key is given twice: nothing was changed")
+                raise WireError(f"Load: '{prefix}keys' gives a key twice: nothing was changed")
+            mine = shard_of(keys, self.num_shards) == self.shard_index if self.num_shards > 1 else None
+            loaded.setdefault(id(arena), {})[var] = n if mine is None else int(mine.sum())
         for name, group in self.dense.items():
             if f"dense/{name}" not in tensors:
                 continue
@@ -309,10 +387,26 @@ class ShardState:
             missing = [k for k in need if k not in tensors]
             if missing:
                 raise WireError(f"Load of {name!r} lacks {', '.join(missing)}: nothing was changed")
-            if tensors[f"dense/{name}"].numel() != group.spans[name][1] or any(
-                    tensors[f"dense_slot/{name}/{k}"].numel() != group.slot_numel(name, k)
-                    for k in group.optimizer.slot_specs()):
-                raise WireError(f"Load of {name!r}: shapes differ from the registered variable: nothing was changed")
+            for key in need[:1] + need[2:]:
+                t = tensors[key]
+                slot = key.rpartition("/")[2]
+                numel = group.spans[name][1] if key == need[0] else group.slot_numel(name, slot)
+                if t.numel() != numel or not t.is_floating_point():
+                    raise WireError(f"Load: '{key}' is {str(t.dtype)[6:]} {list(t.shape)}, expected {numel} float "
+                                    f"values (the registered variable's): nothing was changed")
+                _check_finite(t, key, "value", "nothing was changed")
+            _check_count(tensors, f"opt/{name}")
+        growth = 0  # the arenas are rebuilt: what they will hold, less what they hold now
+        for arena in self.arenas.values():
+            if id(arena) not in loaded or not isinstance(arena, EmbeddingArena):
+                continue  # a tiered arena's rows go to its disk tier past its DRAM budget
+            counts = loaded[id(arena)]
+            rows = sum(counts[v] if v in counts else int((arena.row_ns[:arena.size] == v).sum())
+                       for v in range(len(arena.names)))
+            after = load_bytes(arena.dim, arena.optimizer, rows, bool(arena.reserve_rows))
+            growth += after + 4 * arena._default_matrix.numel() - arena.memory()
+        if growth > 0:
+            self._reserve(growth, "Load")
 
     def load(self, tensors: dict) -> None:
         """Restore from a (merged) export: each shard keeps its own keys, whatever the
@@ -350,11 +444,11 @@ def _spec_field(spec: dict, key: str, kind, default=None, low=None, high=None):
             raise ValueError
         value = kind(value)
     except (TypeError, ValueError, OverflowError):
-        raise WireError(f"variable {name!r}: {key!r} must be {kind.__name__}, got {value!r}") from None
+        raise WireError(f"Register: variable {name!r}: {key!r} must be {kind.__name__}, got {value!r}") from None
     if kind is float and value != value:  # NaN
-        raise WireError(f"variable {name!r}: {key!r} must be a number, got NaN")
+        raise WireError(f"Register: variable {name!r}: {key!r} must be a finite number, got NaN")
     if (low is not None and value < low) or (high is not None and value > high):
-        raise WireError(f"variable {name!r}: {key!r} must be in [{low}, {high}], got {value!r}")
+        raise WireError(f"Register: variable {name!r}: {key!r} must be in [{low}, {high}], got {value!r}")
     return value
 
 
@@ -366,15 +460,29 @@ def int_field(header: dict, key: str, default: int, low: int | None = None, high
     return value
 
 
-def _check_finite(grad: torch.Tensor, name: str) -> None:
-    """A non-finite gradient would turn the rows it touches to nan for every worker."""
+def _check_finite(grad: torch.Tensor, name: str, what: str = "gradient",
+                  outcome: str = "nothing of this push was applied") -> None:
+    """A non-finite gradient (or Load value, initializer) would turn the rows it touches to nan for every worker."""
     if not grad.numel():
         return
     lo, hi = torch.aminmax(grad)  # nan propagates, inf is an extreme: 16x faster than isfinite().all()
     if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
         bad = int(torch.nonzero(~torch.isfinite(grad.reshape(-1)))[0])
-        raise WireError(f"'{name}' holds a non-finite gradient ({float(grad.reshape(-1)[bad])} at element {bad}): "
-                        "nothing of this push was applied")
+        raise WireError(f"'{name}' holds a non-finite {what} ({float(grad.reshape(-1)[bad])} at element {bad}): "
+                        f"{outcome}")
+
+
+def _dense_bytes(state: ShardState, names: list) -> int:
+    return sum(4 * state.dense[n].spans[n][1] for n in names)
+
+
+def _check_count(tensors: dict, key: str) -> int:
+    """A Load's optimizer step count or global step: one integer >= 0."""
+    t = tensors[key]
+    if t.numel() != 1 or t.is_floating_point() or t.dtype == torch.bool or int(t.reshape(-1)[0]) < 0:
+        raise WireError(f"Load: '{key}' must be one int64 >= 0, got {str(t.dtype)[6:]} {list(t.shape)}: "
+                        "nothing was changed")
+    return int(t.reshape(-1)[0])
 
 
 def _check_fields(header: dict, allowed: tuple, method: str) -> None:

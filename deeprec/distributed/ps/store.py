@@ -33,7 +33,8 @@ class EmbeddingArena:
         # the arena then grows without copying, its pages committed as rows are written
         self.reserve_rows = reserve_bytes // self.bytes_per_row()
         self.names: list[str] = []  # variable id (the key's namespace) -> name
-        self._defaults: list[torch.Tensor] = []  # per variable: a new key k starts as defaults[k % n]
+        # every variable's initializer matrix, stacked (held once): a new key k of variable v starts
+        # as row k % count[v] of its span
         self._default_matrix = torch.zeros(0, dim)
         self._default_offset = self._default_count = torch.zeros(0, dtype=torch.int64)
         self._allocate(capacity)
@@ -65,9 +66,8 @@ class EmbeddingArena:
     def add(self, name: str, defaults: torch.Tensor) -> int:
         """A new variable; `defaults` [n, dim] is its initializer matrix. Returns its id."""
         self.names.append(name)
-        self._defaults.append(defaults.float().clone())
-        counts = torch.tensor([d.shape[0] for d in self._defaults])
-        self._default_matrix = torch.cat(self._defaults)
+        self._default_matrix = torch.cat([self._default_matrix, defaults.float()])
+        counts = torch.cat([self._default_count, torch.tensor([defaults.shape[0]])])
         self._default_offset, self._default_count = torch.cumsum(counts, 0) - counts, counts
         return len(self.names) - 1
 
@@ -76,8 +76,7 @@ class EmbeddingArena:
         return self._row_bytes() + _INDEX_BYTES
 
     def _row_bytes(self) -> int:
-        per_element = sum(self.dim if e else 1 for _, e in self.optimizer.slot_specs().values())
-        return 4 * self.dim + 4 * per_element + 8 * 4
+        return row_bytes(self.dim, self.optimizer)
 
     def memory(self) -> int:
         """Bytes held: the rows in use (a reserved arena commits no more) or allocated, and the index."""
@@ -235,6 +234,18 @@ class DenseGroup:
             self.view(name, s).copy_(tensors[f"dense_slot/{name}/{n}"].reshape(self.spans[name][2]))
         for n, s in self.row_slots.items():
             s[index:index + 1] = tensors[f"dense_slot/{name}/{n}"].reshape(1)
+
+
+def row_bytes(dim: int, optimizer: sparse.RowSparseOptimizer) -> int:
+    """A row's bytes in an arena of `dim` and `optimizer`: weight, slots, namespace, key, freq, version."""
+    per_element = sum(dim if e else 1 for _, e in optimizer.slot_specs().values())
+    return 4 * dim + 4 * per_element + 8 * 4
+
+
+def load_bytes(dim: int, optimizer: sparse.RowSparseOptimizer, rows: int, reserved: bool) -> int:
+    """What `EmbeddingArena.memory` reads after a `load` of `rows` rows (without the defaults)."""
+    capacity = max(1024, 2 * rows)
+    return (rows if reserved else capacity) * row_bytes(dim, optimizer) + 8 * _table_size(capacity)
 
 
 def _table_size(rows: int) -> int:
