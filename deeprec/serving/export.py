@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_leaves
 
 import deeprec
 from deeprec.atomic import replace_dir, sha256_file
+from deeprec.errors import ConfigError
 from deeprec.data.schema import Schema, schema_to_dict
 from deeprec.progress import progress as show_progress
 from deeprec.serving.frozen import freeze_variables
@@ -71,6 +72,8 @@ def export(model: torch.nn.Module, path: str, *, schema: Schema | None = None, m
     schema = schema or getattr(model, "schema", None)
     if schema is None:
         raise ValueError("export needs the data's schema: dr.export(model, path, schema=...)")
+    if os.path.exists(path) and not os.path.isdir(path):  # before the work: an export is a folder
+        raise ConfigError(f"--out {path} is a file: an export is a folder (give a new or an export's folder)")
     with show_progress("export", total=len(STAGES), unit="stages", rate=False, console=progress,
                        transient=True) as shown:
         shown.stage(STAGES[0])

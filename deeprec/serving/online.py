@@ -86,17 +86,24 @@ class ExportWriter:
 
 
 def apply_delta(served, path: str):
-    """A copy of `served` (a ServedModel) with the delta at `path` (its .json) applied."""
-    from deeprec.serving import ServingError
+    """A copy of `served` (a ServedModel) with the delta at `path` (its .json) applied. A ServingError
+    (the delta refused, `served` untouched) if it is corrupt, does not follow `served`, or holds a
+    non-finite value."""
+    from deeprec.serving import ServingError, check_finite
 
-    with open(path) as f:
-        manifest = json.load(f)
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        digest, after, step = manifest["sha256"], manifest["after"], int(manifest["step"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise ServingError(f"{path}: not a delta manifest ({type(err).__name__}: {err})") from None
     tensors_path = path[: -len(".json")] + ".safetensors"
-    if sha256_file(tensors_path) != manifest["sha256"]:
+    if sha256_file(tensors_path) != digest:
         raise ServingError(f"{tensors_path}: corrupt (its sha256 differs from {path})")
-    if manifest["after"] != served.step:
-        raise ServingError(f"{path} follows step {manifest['after']}, the model served is at step {served.step}")
+    if after != served.step:
+        raise ServingError(f"{path} follows step {after}, the model served is at step {served.step}")
     tensors = load_file(tensors_path)
+    check_finite(tensors, tensors_path)  # a NaN row or weight would turn every score to NaN
     updated = copy.copy(served)
     updated.module = copy.deepcopy(served.module)
     for name in manifest["variables"]:
@@ -112,40 +119,83 @@ def apply_delta(served, path: str):
 
 
 class ExportFolder:
-    """The newest full export of a folder plus its deltas; `refresh` follows new ones."""
+    """The newest full export of a folder plus its deltas; `refresh` follows new ones.
 
-    def __init__(self, directory: str):
-        self.directory = directory
+    Strict by default (`dr.serving.load`): a bad export or delta raises ServingError. With
+    `lenient=True` (the server) a bad one is refused instead: recorded in `refused` (path -> why, in
+    order; never tried again), and the model stays at the last good version. `check(model)` -> why
+    not, or None: a last test of each new model before it is taken (the server's probe prediction)."""
+
+    def __init__(self, directory: str, lenient: bool = False, check=None):
+        self.directory, self.lenient, self.check = directory, lenient, check
+        self.refused: dict[str, str] = {}
 
     def _fulls(self) -> list[tuple[int, str]]:
-        return sorted((int(m.group(1)), n) for n in os.listdir(self.directory) if (m := _FULL.match(n)))
+        return sorted((int(m.group(1)), n) for n in os.listdir(self.directory) if (m := _FULL.match(n))
+                      and os.path.join(self.directory, n) not in self.refused)
 
     def _deltas(self, after: int) -> list[str]:
         found = sorted((int(m.group(1)), n) for n in os.listdir(self.directory) if (m := _DELTA.match(n)))
-        return [os.path.join(self.directory, n) for step, n in found if step > after]
+        return [p for step, n in found if step > after and (p := os.path.join(self.directory, n)) not in self.refused]
+
+    def _refuse(self, path: str, err: Exception) -> None:
+        if not self.lenient:
+            raise err
+        self.refused[path] = str(err)
+
+    def _checked(self, model, path: str):
+        from deeprec.serving import ServingError
+
+        why = self.check(model) if self.check is not None else None
+        if why is not None:
+            raise ServingError(f"{path}: {why}")
+        return model
+
+    def _full(self, name: str):
+        from deeprec.serving import ServedModel, ServingError
+
+        path = os.path.join(self.directory, name)
+        try:
+            return self._checked(ServedModel(path), path)
+        except ServingError as err:
+            self._refuse(path, err)
+            return None
 
     def load(self, upto_step: int | None = None):
-        from deeprec.serving import ServedModel, ServingError
+        from deeprec.serving import ServingError
 
         fulls = [(s, n) for s, n in self._fulls() if upto_step is None or s <= upto_step]
         if not fulls:
             raise ServingError(f"{self.directory}: no full export (full-<step>/) yet")
-        served = ServedModel(os.path.join(self.directory, fulls[-1][1]))
-        return self._follow(served, upto_step)
+        for _, name in reversed(fulls):  # lenient: an older full export if the newest is refused
+            served = self._full(name)
+            if served is not None:
+                return self._follow(served, upto_step)
+        raise ServingError(f"{self.directory}: every full export was refused: "
+                           + "; ".join(self.refused[os.path.join(self.directory, n)] for _, n in fulls))
 
     def _follow(self, served, upto_step: int | None = None):
+        from deeprec.serving import ServingError
+
         for path in self._deltas(served.step):
             step = int(_DELTA.match(os.path.basename(path)).group(1))
             if upto_step is not None and step > upto_step:
                 break
-            served = apply_delta(served, path)
+            try:
+                served = self._checked(apply_delta(served, path), path)
+            except ServingError as err:  # lenient: the deltas after it follow a step never served: refused too
+                self._refuse(path, err)
+                break
         return served
 
     def refresh(self, served):
         """A newer model than `served` (a newer full export, or new deltas applied), or None."""
         fulls = self._fulls()
         if fulls and fulls[-1][0] > served.step:
-            return self.load()
+            full = self._full(fulls[-1][1])
+            if full is not None:
+                return self._follow(full)
         if self._deltas(served.step):
-            return self._follow(served)
+            newer = self._follow(served)
+            return newer if newer is not served else None
         return None
