@@ -27,7 +27,7 @@ KINDS = ("torch", "table", "variable")
 
 
 def rate(model: str, kind: str, data: str, steps: int) -> float:
-    cfg = TrainConfig(model=model, data=[data], steps=steps, batch_size=512, optimizer="adam", lr=0.001,
+    cfg = TrainConfig.create(model=model, data=[data], steps=steps, batch_size=512, optimizer="adam", lr=0.001,
                       embedding=kind, progress=False, seed=0)
     return Trainer(cfg).train()["steady_samples_per_s"]
 

@@ -15,9 +15,10 @@ from importlib import resources
 from rich.console import Console
 from rich.markup import escape
 
-from deeprec.choices import BAD_ROW_POLICIES, PROTOCOLS
+from deeprec.choices import BAD_ROW_POLICIES
 from deeprec.errors import ConfigError, DeepRecError
 from deeprec.models import MODELS
+from deeprec.models.features import EMBEDDINGS
 from deeprec.models.spec import SPEC_HELP
 from deeprec.models.spec import resolve as resolve_model
 from deeprec.optim import OPTIMIZERS
@@ -86,32 +87,34 @@ def train_config(args, console: Console) -> tuple:
     `--config FILE`, the flags given; then the data (a bundled sample, --synthetic) and the way
     of training the environment says (a PS worker, a torchrun rank)."""
     from deeprec.options import build, given, load_toml, merge
-    from deeprec.trainer import TrainConfig
+    from deeprec.train_config import ModelConfig, TrainConfig, TrainingConfig
 
     values = load_toml(args.config, TrainConfig) if args.config else {}
     values = merge(values, given(args, TrainConfig))
-    model, note = values.get("model", TrainConfig.model), None
+    data, note = values.setdefault("data", {}), None
+    # the sections read below are checked first: a wrong value is named, not a traceback
+    model = build(ModelConfig, values.get("model", {}), ("model",)).name
+    seed = build(TrainingConfig, values.get("training", {}), ("training",)).seed
     resolve_model(model)  # a wrong name or file fails before anything else
     strategy, protocol = strategy_from_env()
     if protocol:  # deeprec launch's --protocol
-        values["protocol"] = protocol
-    if args.synthetic:
-        if values.get("data"):
+        values.setdefault("distributed", {})["protocol"] = protocol
+    if args.synthetic is not None:
+        if data.get("paths"):
             raise ConfigError("give --data or --synthetic, not both")
         kind = "behavior" if model in MODEL_SAMPLES else "criteo"
-        train_file, eval_file = synthetic_files(args.synthetic, args.cardinalities, values.get("seed", 0), console,
-                                                kind)
-        values["data"], values["eval_data"] = [train_file], values.get("eval_data") or [eval_file]
-    elif not values.get("data"):
+        train_file, eval_file = synthetic_files(args.synthetic, args.cardinalities, seed, console, kind)
+        data["paths"], data["eval_paths"] = [train_file], data.get("eval_paths") or [eval_file]
+    elif not data.get("paths"):
         sample = MODEL_SAMPLES.get(model, SAMPLE)
-        values["data"] = [sample_path(sample)]
+        data["paths"] = [sample_path(sample)]
         note = (f"smoke run on the bundled {SAMPLE_NAMES[sample]}" +
                 (", 20% of it held out for eval: the AUC is noise" if strategy.world_size == 1 else "") +
                 "; try --synthetic 1000000 for a meaningful run")
         if strategy.world_size == 1:
-            values.setdefault("eval_fraction", 0.2)
-        if "batch_size" not in values:  # the default 512 is more rows than the sample has
-            values["batch_size"] = SMOKE_BATCH
+            data.setdefault("eval_fraction", 0.2)
+        if "batch_size" not in data:  # the default 512 is more rows than the sample has
+            data["batch_size"] = SMOKE_BATCH
             note += f"; batch size {SMOKE_BATCH} (the sample has fewer rows than the default 512)"
     return build(TrainConfig, values), note, strategy
 
@@ -134,7 +137,7 @@ def cmd_train(args, console: Console) -> int:
 
     cfg, note, strategy = train_config(args, console)
     console = _rank_console(strategy)
-    configure_progress(console, enabled=cfg.progress)  # evaluation and export draw with the step bar
+    configure_progress(console, enabled=cfg.training.progress)  # evaluation and export draw with the step bar
     if note and strategy.is_chief:
         console.print(f"[bold]{escape(note)}[/bold]")
     try:
@@ -156,9 +159,13 @@ def cmd_train(args, console: Console) -> int:
 
 def cmd_launch(args, console: Console) -> int:
     from deeprec.distributed.launch import launch
+    from deeprec.options import build, given
+    from deeprec.train_config import CheckpointConfig, DistributedConfig
 
+    distributed = build(DistributedConfig, given(args, DistributedConfig, ("distributed",)))
+    resume = given(args, CheckpointConfig, ("checkpoint",)).get("resume", CheckpointConfig.resume)  # its dir: train's
     train_args = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
-    return launch(args.ps, args.workers, args.protocol, train_args, sync=args.sync, resume=args.resume,
+    return launch(args.ps, args.workers, distributed.protocol, train_args, sync=distributed.sync, resume=resume,
                   collective=args.collective)
 
 
@@ -167,7 +174,11 @@ def cmd_explain(args, console: Console) -> int:
     from deeprec.data import resolve_schema
     from deeprec.models.spec import is_zoo, load_model
 
-    schema = resolve_schema(args.data, args.schema) if args.data else None
+    from deeprec.data.reader import resolve_paths
+
+    if args.data:
+        resolve_paths(args.data, "--data")
+    schema = resolve_schema(args.data or [sample_path()], args.schema) if args.data or args.schema else None
     overrides = {"embedding": args.embedding} if args.embedding and is_zoo(args.model) else {}
     if args.embedding and not is_zoo(args.model):
         raise ConfigError(f"--embedding chooses a zoo model's tables; {args.model!r} declares its own")
@@ -185,50 +196,9 @@ def cmd_explain(args, console: Console) -> int:
     return 0
 
 
-def model_from_checkpoint(checkpoint: str, model_spec: str | None = None):
-    """(model with the checkpoint's weights, its state, its schema, where it came from) from a checkpoint
-    file or folder: one process's, a parameter-server job's (the chief's, with every PS's rows) or a
-    collective job's (rank-R-of-N folders, merged). `model_spec`: build this model instead of the one
-    the checkpoint names (a model trained from Python, or a file that moved)."""
-    from deeprec.checkpoint import latest_checkpoint, load_checkpoint, load_model_weights
-    from deeprec.data import schema_from_dict
-    from deeprec.models.spec import load_model
-
-    path = checkpoint if os.path.isfile(checkpoint) else latest_checkpoint(checkpoint)
-    merged = None
-    if path is None and os.path.isdir(checkpoint):  # collective training's rank-R-of-N folders: merged
-        from deeprec.distributed.collective.reshard import restore_collective
-
-        merged = restore_collective(checkpoint, 0, 1)
-    if path is None and merged is None:
-        raise ConfigError(f"no checkpoint found in {checkpoint}")
-    if merged is not None:
-        state, paths, _, _ = merged
-        path = f"{checkpoint} ({len(paths)} ranks' {os.path.basename(paths[0])}, merged)"
-    else:
-        state = load_checkpoint(path)
-    schema = schema_from_dict(state["schema"]) if state.get("schema") else None
-    model = load_model(model_spec or state["model_name"], schema, **state["model_overrides"])
-    if merged is not None:
-        from deeprec.distributed.collective.reshard import one_process_state
-
-        weights = one_process_state(model, state["model"])
-    elif "ps" in state:  # a parameter-server job's chief: the dense model and every PS's rows
-        from deeprec.distributed.ps.strategy import one_process_state
-
-        weights = one_process_state(model, state)
-        path = f"{path} (parameter-server job: the PSs' rows merged)"
-    elif "model" not in state:
-        raise ConfigError(f"{path} is a parameter-server worker's checkpoint (its reader position): give the "
-                          "job's checkpoint folder, whose top level holds the chief's")
-    else:
-        weights = state["model"]
-    load_model_weights(model, weights)
-    return model, state, schema, path
-
-
 def cmd_export(args, console: Console) -> int:
     from deeprec.serving import export
+    from deeprec.strategies import model_from_checkpoint
 
     model, state, schema, path = model_from_checkpoint(args.checkpoint, args.model)
     out = export(model, args.out, schema=schema, model_name=state["model_name"], step=int(state["step"]))
@@ -242,14 +212,32 @@ def cmd_serve(args, console: Console) -> int:
     if args.max_batch < 1 or args.max_wait_ms < 0:
         raise ConfigError(f"--max-batch must be >= 1 and --max-wait-ms >= 0, got {args.max_batch} and "
                           f"{args.max_wait_ms}")
-    serve(args.model_dir, args.host, args.port, args.max_batch, args.max_wait_ms, args.threads, args.watch_interval)
+    from deeprec.security import read_token
+    from deeprec.options import parse_bytes
+
+    try:
+        max_body = parse_bytes(args.max_body_bytes)
+    except ValueError as err:
+        raise ConfigError(f"--max-body-bytes: {err}") from None
+    if max_body < 1:
+        raise ConfigError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    if args.token is not None and args.token_file is not None:
+        raise ConfigError("give --token or --token-file, not both")
+    if args.token is not None and not args.token.strip():
+        raise ConfigError("--token is empty")
+    token = args.token.strip() if args.token else read_token(args.token_file)  # else DEEPREC_PS_TOKEN, as the PS
+    serve(args.model_dir, args.host, args.port, args.max_batch, args.max_wait_ms, args.threads, args.watch_interval,
+          max_rows=args.max_rows, max_body_bytes=max_body, token=token)
     return 0
 
 
 def cmd_evaluate(args, console: Console) -> int:
     from deeprec.data import open_reader
     from deeprec.metrics import evaluate
+    from deeprec.data.reader import resolve_paths
+    from deeprec.strategies import model_from_checkpoint
 
+    resolve_paths(args.data, "--data")  # before the checkpoint is read
     model, state, schema, path = model_from_checkpoint(args.checkpoint, args.model)
     metrics = evaluate(model, open_reader(args.data, args.batch_size, schema=schema, on_bad_row=args.on_bad_row))
     console.print(f"{path} (step {state['step']}) on {', '.join(args.data)}")
@@ -270,42 +258,55 @@ def cmd_synth(args, console: Console) -> int:
 
 def cmd_convert(args, console: Console) -> int:
     from deeprec.data import CriteoReader, write_parquet
+    from deeprec.data.reader import resolve_paths
 
+    resolve_paths(args.input, "input")
     rows = write_parquet(CriteoReader(args.input, 65536, on_bad_row=args.on_bad_row), args.out)
     print(json.dumps({"rows": rows, "out": args.out}))
     return 0
 
 
+def at_least(low: int):
+    """An argparse type: an int >= low (argparse names the flag and exits 2 otherwise)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an int >= {low}, got {text}")
+        return value
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     from deeprec import __version__
     from deeprec.options import add_arguments
-    from deeprec.trainer import TrainConfig
+    from deeprec.train_config import CheckpointConfig, DistributedConfig, TrainConfig
 
     parser = argparse.ArgumentParser(prog="deeprec", description="Fast training of sparse CTR models.")
     parser.add_argument("--version", action="version", version=f"deeprec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     tr = sub.add_parser("train", help="train a model", formatter_class=argparse.RawDescriptionHelpFormatter,
-                        description="Train a model. Every option is a field of deeprec.trainer.TrainConfig "
-                                    "(optimize.* of deeprec.Config); --config FILE sets them from TOML "
-                                    "(keys = field names, [optimize] and [optimize.smart_stage_options] tables), "
-                                    "flags override the file.")
+                        description="Train a model. Every option is a field of a section of "
+                                    "deeprec.trainer.TrainConfig (deeprec.train_config); --config FILE sets them from TOML "
+                                    "(a table per section: [data], [checkpoint], [optimize.smart_stage_options], "
+                                    "...; a flag's name works as a top-level key), flags override the file.")
     tr.add_argument("--config", metavar="FILE", help="a TOML file of TrainConfig fields")
     add_arguments(tr, TrainConfig)
-    tr.add_argument("--synthetic", type=int, metavar="ROWS", help="train on ROWS synthetic rows (cached)")
+    tr.add_argument("--synthetic", type=at_least(1), metavar="ROWS", help="train on ROWS synthetic rows (cached)")
     tr.add_argument("--cardinalities", "--synthetic-cardinalities", choices=("kaggle", "small"), default="kaggle",
                     help="synthetic Criteo-layout data: Kaggle's column cardinalities or small ones")
     tr.add_argument("--json", help="write the result as JSON here (worker or rank R of several: <name>.rank-R.json)")
     tr.set_defaults(func=cmd_train)
 
     la = sub.add_parser("launch", help="run a parameter-server job, or a collective one, on this machine")
-    la.add_argument("--ps", type=int, default=None, help="parameter servers (default 1; none with --collective)")
+    la.add_argument("--ps", type=at_least(0), default=None, help="parameter servers (default 1; none with --collective)")
     la.add_argument("--collective", action="store_true", help="no PS: the workers are torch.distributed ranks "
                     "with sharded embeddings (as under torchrun)")
-    la.add_argument("--workers", type=int, default=1)
-    la.add_argument("--protocol", choices=PROTOCOLS, default="star_server")
-    la.add_argument("--sync", action="store_true", help="average all workers' gradients per step")
-    la.add_argument("--resume", action="store_true", help="continue from the workers' --checkpoint-dir")
+    la.add_argument("--workers", type=at_least(1), default=1, help="training processes (PS workers or ranks)")
+    # the worker options launch itself acts on: the same fields as deeprec train's
+    add_arguments(la, DistributedConfig, ("distributed",), exclude=("dense",))
+    add_arguments(la, CheckpointConfig, ("checkpoint",), exclude=("dir", "every", "incremental_every"))
     la.add_argument("rest", nargs=argparse.REMAINDER, help="-- train ... (the worker command)")
     la.set_defaults(func=cmd_launch)
 
@@ -315,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--schema", help="the data's columns: a preset name or a TOML schema file")
     ex.add_argument("--no-smart-stage", action="store_true")
     ex.add_argument("--ranks", type=int, default=0, help="also show the collective sharding plan over N ranks")
-    ex.add_argument("--embedding", choices=("table", "variable"), help="the model's embedding kind (default: its own)")
+    ex.add_argument("--embedding", choices=EMBEDDINGS, help="a zoo model's embedding kind (default: its own)")
     ex.add_argument("--optimizer", choices=OPTIMIZERS, default="adagrad",
                     help="with --ranks: its slots count in the tables' bytes")
     ex.set_defaults(func=cmd_explain)
@@ -323,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("evaluate", help="AUC and log loss of a checkpoint on data")
     ev.add_argument("--checkpoint", required=True, help="checkpoint file or folder (latest is used)")
     ev.add_argument("--data", nargs="+", required=True)
-    ev.add_argument("--batch-size", type=int, default=4096)
+    ev.add_argument("--batch-size", type=at_least(1), default=4096)
     ev.add_argument("--on-bad-row", choices=BAD_ROW_POLICIES, default="raise")
     ev.add_argument("--model", help="build this model (module:attribute) instead of the one the checkpoint names")
     ev.set_defaults(func=cmd_evaluate)
@@ -338,16 +339,21 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("model_dir", help="an export, or a training's --export-dir (followed while serving)")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless given)")
     sv.add_argument("--port", type=int, default=8080, help="0: any free port (printed)")
-    sv.add_argument("--max-batch", type=int, default=256, help="rows per model call, concurrent requests merged")
+    sv.add_argument("--max-batch", type=at_least(1), default=256, help="rows per model call, concurrent requests merged")
     sv.add_argument("--max-wait-ms", type=float, default=2.0, help="wait for more requests to batch")
     sv.add_argument("--threads", type=int, default=None, help="torch threads scoring (default: cores - 1)")
     sv.add_argument("--watch-interval", type=float, default=1.0,
                     help="seconds between looks for new deltas/full exports (MODEL_DIR a training's --export-dir)")
+    sv.add_argument("--max-rows", type=at_least(1), default=8192, help="rows of one request (more: 400)")
+    sv.add_argument("--max-body-bytes", default="8MiB", help="request body size (more: 413), e.g. 8MiB, 65536")
+    sv.add_argument("--token", default=None, help="require 'Authorization: Bearer TOKEN' on /v1/predict (visible in "
+                    "ps: prefer --token-file or DEEPREC_PS_TOKEN)")
+    sv.add_argument("--token-file", default=None, help="the token: this file's first line")
     sv.set_defaults(func=cmd_serve)
 
     data = sub.add_parser("data", help="data tools").add_subparsers(dest="data_command", required=True)
     sy = data.add_parser("synth", help="write synthetic Criteo-layout TSV")
-    sy.add_argument("--rows", type=int, required=True)
+    sy.add_argument("--rows", type=at_least(1), required=True)
     sy.add_argument("--out", required=True)
     sy.add_argument("--kind", choices=("criteo", "behavior"), default="criteo",
                     help="Criteo layout, or behaviour sequences (DIN, DIEN, DSSM, MMoE)")
@@ -370,10 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args, console)
     except (ConfigError, FileNotFoundError) as err:  # usage and configuration: exit code 2, as argparse's
-        console.print(f"[red]error:[/red] {escape(str(err))}", highlight=False)  # the text may hold [brackets]
+        console.print(f"[red]error:[/red] {escape(str(err))}", highlight=False, soft_wrap=True)  # one line; [brackets] kept
         return 2
     except DeepRecError as err:  # data that cannot be read, a parameter server that fails: exit code 1
-        console.print(f"[red]error:[/red] {escape(str(err))}", highlight=False)  # the text may hold [brackets]
+        console.print(f"[red]error:[/red] {escape(str(err))}", highlight=False, soft_wrap=True)  # one line; [brackets] kept
         return 1
 
 

@@ -1,7 +1,6 @@
-"""User-facing configuration, validated on construction (the seed's ConfigProto options).
-
-Names and defaults follow `shared/seeds/smart-stage.md` (SmartStageOptions) and
-`shared/DESIGN.md`. Options of later subsystems join this file with their issues.
+"""What `deeprec.optimize` applies to a model (the seed's ConfigProto options), validated on
+construction. Names and defaults follow DeepRec's SmartStage documentation (SmartStageOptions);
+the options of a training run are in deeprec.train_config, which nests `Config` as `optimize`.
 """
 from __future__ import annotations
 

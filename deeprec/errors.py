@@ -53,9 +53,33 @@ class EmptyShardError(ConfigError):
         self.reason = message
 
 
+def regular_file(path: str, what: str) -> str:
+    """`path` if it is a regular file; a ConfigError naming `what` (the option) otherwise. Checked
+    before reading: a device or a pipe (/dev/zero) would be read until memory runs out."""
+    import os
+
+    if not os.path.exists(path):
+        raise ConfigError(f"{what}: no such file: {path!r}")
+    if not os.path.isfile(path):
+        kind = "a folder" if os.path.isdir(path) else "not a regular file"
+        raise ConfigError(f"{what}: {path!r} is {kind}; give a file")
+    return path
+
+
 def check_choice(option: str, value, allowed) -> None:
     """Raise ConfigError naming the option and its allowed values."""
     if value not in allowed:
         raise ConfigError(
             f"{option}={value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}"
         )
+
+
+class StorageFullError(DeepRecError):
+    """The disk tier's filesystem has no room for the rows it must hold (or a file size limit stops
+    its file growing). ``path`` is the folder (--storage-path), ``needed`` the bytes it asked for."""
+
+    def __init__(self, path: str, needed: int, reason: str = "no space left"):
+        super().__init__(f"{reason} on {path}: {needed} bytes needed for the disk tier's rows (give "
+                         "--storage-path a folder on a larger filesystem, or raise --dram-bytes to keep more rows "
+                         "in DRAM)")
+        self.path, self.needed, self.reason = path, needed, reason

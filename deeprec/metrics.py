@@ -12,6 +12,8 @@ Log loss is exact, computed as scikit-learn's log_loss (p clipped to [eps, 1 - e
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -90,22 +92,41 @@ class Evaluation:
         return result
 
 
+@dataclass(frozen=True)
+class Uncounted:
+    """A batch the model runs on but the metrics do not count. Lockstep evaluation (collective
+    training) yields these: a rank whose share has ended runs its last batch again, so that the
+    other ranks' lookups, which exchange ids with it, get their answers."""
+
+    batch: dict
+
+
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, reader, *, progress=None, description: str = "evaluate") -> dict:
-    """AUC and log loss of the model's predictions over one pass of `reader`, in bounded
-    memory; a multi-task model (logits [B, T]) gets them per task under "tasks", the
-    first task's at the top level. `progress`: rows evaluated and rows/s shown on a terminal
-    (None or True: deeprec.progress's shared console, False: never, or a rich Console)."""
+def run_evaluation(model: torch.nn.Module, batches, *, progress=None, description: str = "evaluate") -> Evaluation:
+    """The evaluation loop: `model` in eval mode (its mode restored after) over one pass of
+    `batches`, each batch's predictions counted into an Evaluation (an `Uncounted` batch only runs).
+    `progress`: rows evaluated and rows/s shown on a terminal (None or True: deeprec.progress's
+    shared console, False: never, or a rich Console)."""
     evaluation = Evaluation(model)
     rows = evaluation.metrics[0]  # its row count grows with every batch
     was_training = model.training
     model.eval()
     try:
         with show_progress(description, unit="rows", console=progress, transient=True) as shown:
-            for batch in reader:
+            for batch in batches:
+                if isinstance(batch, Uncounted):
+                    model(batch.batch)
+                    continue
                 before = rows.rows
                 evaluation.update(batch, model(batch)["logits"])
                 shown.advance(rows.rows - before)
     finally:
         model.train(was_training)
-    return evaluation.result()
+    return evaluation
+
+
+def evaluate(model: torch.nn.Module, reader, *, progress=None, description: str = "evaluate") -> dict:
+    """AUC and log loss of the model's predictions over one pass of `reader`, in bounded
+    memory (`run_evaluation`); a multi-task model (logits [B, T]) gets them per task under
+    "tasks", the first task's at the top level."""
+    return run_evaluation(model, reader, progress=progress, description=description).result()

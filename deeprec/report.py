@@ -27,7 +27,7 @@ def write_result(result: dict, path: str | None, strategy) -> None:
 
 
 def summary_table(cfg, result: dict) -> Table:
-    table = Table(title=f"deeprec train --model {cfg.model}")
+    table = Table(title=f"deeprec train --model {cfg.model.name}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row("steps", str(result["steps"]))

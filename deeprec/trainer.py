@@ -17,7 +17,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 from rich.console import Console
@@ -26,115 +26,22 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch.profiler import record_function
 
 from deeprec.checkpoint import remove_stale_temporaries, save_checkpoint
-from deeprec.config import Config, SmartStageOptions
 from deeprec.data import open_reader, resolve_schema, schema_to_dict
-from deeprec.choices import BAD_ROW_POLICIES, CACHE_POLICIES, DENSE_MODES, NAN_POLICIES, PROTOCOLS, STORAGES
+from deeprec.data.reader import resolve_paths
 from deeprec.errors import ConfigError, EmptyShardError, NonFiniteError
-from deeprec.models import MODELS
-from deeprec.models.features import EMBEDDINGS
-from deeprec.models.spec import SPEC_HELP, canonical, is_zoo, load_model, same_model
-from deeprec.nn import EmbeddingVariable, StorageOption, incremental_state_dict
+from deeprec.models.spec import canonical, is_zoo, load_model, same_model
+from deeprec.nn import EmbeddingVariable, incremental_state_dict
 from deeprec.nn.tiered import use_storage
-from deeprec.optim import OPTIMIZERS
-from deeprec.options import build, option
 from deeprec.progress import get_console as progress_console
 from deeprec.runtime import optimize
-from deeprec.runtime.device import DEVICES, DeviceBatches, resolve_device
+from deeprec.runtime.device import DeviceBatches, resolve_device
 from deeprec.runtime.memory import tune_malloc
 from deeprec.runtime.signals import Interrupted, StopOnSignals
 from deeprec.runtime.strategy import LocalStrategy, Strategy
+from deeprec.train_config import TrainConfig
 
 log = logging.getLogger("deeprec.train")
 STEADY_AFTER = 50  # steps: warm-up plus SmartStage auto's calibration (deeprec.runtime.auto_stage)
-
-
-@dataclass
-class TrainConfig:
-    """Everything `deeprec train` takes: each field is a CLI flag (`deeprec train --help`)
-    and a key of a `--config run.toml` file; `optimize` holds deeprec.optimize's options."""
-
-    model: str = option("dlrm", SPEC_HELP.format(zoo=", ".join(sorted(MODELS))))
-    data: list[str] = option(factory=list, help="TSV/CSV/Parquet files, folders or globs (default: the model's "
-                             "bundled real sample)")
-    eval_data: list[str] = option(factory=list, help="evaluation files (default: none, or --eval-fraction)")
-    eval_fraction: float = option(0.0, "without eval data: hold out this share of the data (whole byte ranges); "
-                                  "0.2 on a bundled sample")
-    steps: int | None = option(None, "total optimizer steps (resume counts the steps already done)")
-    epochs: int | None = option(None, "passes over the data when --steps is not given (default 1)")
-    batch_size: int = option(512, "rows per training batch")
-    eval_batch_size: int = option(4096, "rows per evaluation batch")
-    eval_every: int = option(0, "steps between evaluations during training (0: only at the end)")
-    lr: float = option(0.001, "learning rate")
-    optimizer: str = option("adam", "optimizer of every parameter (DeepRec modelzoo default: adam)",
-                            choices=OPTIMIZERS)
-    shuffle_buffer: int = option(0, "rows shuffled in a buffer of this size (0: file order)")
-    seed: int = option(0, "seed of the model's initialization and the shuffle")
-    on_bad_row: str = option("raise", "a row that does not parse: stop with its file and line, or skip and count it",
-                             choices=BAD_ROW_POLICIES)
-    on_nan: str = option("raise", "a step whose loss or dense gradient is not finite is never applied: stop with "
-                         "its step and reader position, or skip that batch and count it", choices=NAN_POLICIES)
-    checkpoint_dir: str | None = option(None, "folder of the checkpoints")
-    checkpoint_every: int = option(0, "steps between checkpoints; 0: only at the end")
-    incremental_every: int = option(0, "steps between incremental checkpoints (EmbeddingVariable rows touched "
-                                    "since the last full one)")
-    resume: bool = option(False, "continue from the latest checkpoint in --checkpoint-dir")
-    export_dir: str | None = option(None, "folder of serving exports written while training (deeprec serve follows it)")
-    export_every: int = option(0, "steps between full serving exports (with --export-dir; 0: only at the end)")
-    export_incremental_every: int = option(0, "steps between serving deltas: EmbeddingVariable rows updated since "
-                                           "the last export, and the dense weights")
-    threads: int | None = option(None, "torch intra-op threads")
-    device: str = option("cpu", "where the model trains: cpu, cuda (fixed tables too while they fit in its memory; "
-                         "EmbeddingVariables stay on the host) or auto (cuda if present)", choices=DEVICES)
-    model_overrides: dict = option(factory=dict, cli=False)  # TOML table: the model's config fields
-    schema: str | None = option(None, "the data's columns: a preset (criteo, avazu, movielens, byterec, behavior) "
-                                "or a TOML schema file (default: the preset the data matches)")
-    progress: bool = option(True, "show a progress bar on a terminal")
-    embedding: str | None = option(None, "fused hashed tables (default), EmbeddingVariables (no buckets), or "
-                                   "nn.Embedding", choices=EMBEDDINGS)
-    storage: str = option("dram", "where EmbeddingVariable rows live (with --embedding variable): all in DRAM, or "
-                          "at most --dram-bytes of them in a DRAM cache over a disk tier in --storage-path",
-                          choices=STORAGES)
-    dram_bytes: int | None = option(None, "--storage ssd: bytes of rows (values, optimizer slots) kept in DRAM, "
-                                    "shared evenly by the EmbeddingVariables")
-    storage_path: str | None = option(None, "--storage ssd: folder of the disk tier (default: the temp folder)")
-    cache: str = option("lfu", "--storage ssd: rows that leave DRAM first, least frequently or recently used",
-                        choices=CACHE_POLICIES)
-    storage_prefetch: bool = option(True, "--storage ssd with SmartStage: the stage moves the next batch's rows "
-                                    "from disk into DRAM while the current batch trains")
-    flush_denormal: bool = option(True, "flush denormal floats (tiny embedding weights slow CPU math ~2x)")
-    malloc_tuning: bool = option(False, "glibc mallopt: keep freed memory mapped (halves page faults per step)")
-    protocol: str = option("star_server", "parameter-server protocol of a PS worker (TF_CONFIG set)",
-                           choices=PROTOCOLS)
-    sync: bool = option(False, "PS workers: average every worker's gradients per step")
-    dense: str = option("allreduce", "PS workers: dense parameters replicated on the workers and averaged by "
-                        "all-reduce (only embedding rows go to the PSs), or kept on the PSs", choices=DENSE_MODES)
-    # deeprec.optimize's options; SmartStage's executor is "auto" here (measure, then pick off, thread or process)
-    optimize: Config = option(factory=lambda: Config(smart_stage_options=SmartStageOptions(executor="auto")))
-
-    def __post_init__(self):
-        if isinstance(self.data, str):
-            self.data = [self.data]
-        if isinstance(self.eval_data, str):
-            self.eval_data = [self.eval_data]
-        if not self.data:
-            raise ConfigError("no training data: give data=[paths]")
-        if self.steps is not None and self.epochs is not None:
-            raise ConfigError("give steps or epochs, not both")
-        if self.resume and not self.checkpoint_dir:
-            raise ConfigError("resume needs checkpoint_dir")
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise ConfigError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
-        if self.storage == "ssd":
-            if not self.dram_bytes or self.dram_bytes <= 0:
-                raise ConfigError(f"storage='ssd' needs dram_bytes > 0 (the DRAM cache's budget), got {self.dram_bytes!r}")
-        if (self.export_every or self.export_incremental_every) and not self.export_dir:
-            raise ConfigError("export_every / export_incremental_every need export_dir")
-
-    @classmethod
-    def create(cls, **values) -> "TrainConfig":
-        """From field values where nested options may be dicts:
-        `TrainConfig.create(data=[...], optimize={"smart_stage": True, "smart_stage_options": {"capacity": 4}})`."""
-        return build(cls, values)
 
 
 def _holdout_shards(fraction: float) -> tuple[int, list[int], int]:
@@ -147,32 +54,32 @@ def make_readers(cfg: TrainConfig, schema=None, drop_remainder: bool = False, tr
                  eval_shards: dict | None = None):
     """Training and evaluation readers; `*_shards`: this process's share ({shard_index, num_shards}).
     drop_remainder: training drops an epoch's short last batch (batch norm cannot train on one row)."""
-    common = dict(seed=cfg.seed, on_bad_row=cfg.on_bad_row, schema=schema)
-    epochs = None if cfg.steps is not None else (cfg.epochs or 1)
-    train_kw = dict(shuffle_buffer=cfg.shuffle_buffer, num_epochs=epochs, drop_remainder=drop_remainder, **common,
+    common = dict(seed=cfg.training.seed, on_bad_row=cfg.data.on_bad_row, schema=schema)
+    epochs = None if cfg.training.steps is not None else (cfg.training.epochs or 1)
+    train_kw = dict(shuffle_buffer=cfg.data.shuffle_buffer, num_epochs=epochs, drop_remainder=drop_remainder, **common,
                     **(train_shards or {}))
     eval_kw = dict(num_epochs=1, **common, **(eval_shards or {}))
-    if cfg.eval_data:
-        return open_reader(cfg.data, cfg.batch_size, **train_kw), open_reader(cfg.eval_data, cfg.eval_batch_size, **eval_kw)
-    if cfg.eval_fraction:
-        n, train_shards, eval_shard = _holdout_shards(cfg.eval_fraction)
-        train = open_reader(cfg.data, cfg.batch_size, num_shards=n, shard_index=train_shards, **train_kw)
+    if cfg.data.eval_paths:
+        return open_reader(cfg.data.paths, cfg.data.batch_size, **train_kw), open_reader(cfg.data.eval_paths, cfg.data.eval_batch_size, **eval_kw)
+    if cfg.data.eval_fraction:
+        n, train_shards, eval_shard = _holdout_shards(cfg.data.eval_fraction)
+        train = open_reader(cfg.data.paths, cfg.data.batch_size, num_shards=n, shard_index=train_shards, **train_kw)
         try:  # checked when built: an empty held-out shard fails now, not after training
-            held_out = open_reader(cfg.data, cfg.eval_batch_size, num_shards=n, shard_index=eval_shard, **eval_kw)
+            held_out = open_reader(cfg.data.paths, cfg.data.eval_batch_size, num_shards=n, shard_index=eval_shard, **eval_kw)
         except EmptyShardError as err:
             fix = (f"use --eval-fraction >= {1 / err.max_shards:.2g} or --eval-data" if err.max_shards >= 2
                    else "use --eval-data")
-            raise ConfigError(f"--eval-fraction {cfg.eval_fraction} holds out shard {eval_shard + 1} of {n} of "
+            raise ConfigError(f"--eval-fraction {cfg.data.eval_fraction} holds out shard {eval_shard + 1} of {n} of "
                               f"{', '.join(err.paths)}, but the data gives at most {err.max_shards} shard(s) (Parquet: "
                               f"one per row group; text: byte ranges holding a row): {fix}") from None
         return train, held_out
-    return open_reader(cfg.data, cfg.batch_size, **train_kw), None
+    return open_reader(cfg.data.paths, cfg.data.batch_size, **train_kw), None
 
 
 class Trainer:
     """Trains any model that keeps the model contract, the way its `Strategy` says.
 
-        Trainer(cfg)                               the model cfg.model names, in this process
+        Trainer(cfg)                               the model cfg.model.name names, in this process
         Trainer(cfg, model=MyModel(schema))        your own model object
         Trainer(cfg, strategy=ParameterServer(...) | Collective(...))
 
@@ -185,19 +92,22 @@ class Trainer:
         self.cfg, self.console = cfg, console or progress_console()
         self.strategy = strategy or LocalStrategy()
         self.strategy.validate(cfg)
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        torch.manual_seed(cfg.seed)
-        if cfg.flush_denormal:
+        if cfg.training.threads:
+            torch.set_num_threads(cfg.training.threads)
+        torch.manual_seed(cfg.training.seed)
+        if cfg.training.flush_denormal:
             torch.set_flush_denormal(True)
-        self.malloc_note = tune_malloc() if cfg.malloc_tuning else None
-        self.schema = resolve_schema(cfg.data, cfg.schema)  # the model is built over the data's columns
-        self.spec = cfg.model if model is None else f"{type(model).__module__}:{type(model).__qualname__}"
+        self.malloc_note = tune_malloc() if cfg.training.malloc_tuning else None
+        resolve_paths(cfg.data.paths, "--data")  # a missing or unreadable path is named by its flag, first
+        if cfg.data.eval_paths:
+            resolve_paths(cfg.data.eval_paths, "--eval-data")
+        self.schema = resolve_schema(cfg.data.paths, cfg.data.schema)  # the model is built over the data's columns
+        self.spec = cfg.model.name if model is None else f"{type(model).__module__}:{type(model).__qualname__}"
         self.model_overrides = self._model_overrides()  # as built, and as checkpoints record it
-        self.model = model if model is not None else load_model(cfg.model, self.schema, **self.model_overrides)
-        if cfg.storage == "ssd":  # applied from outside: the model is written plainly
+        self.model = model if model is not None else load_model(cfg.model.name, self.schema, **self.model_overrides)
+        if cfg.storage.tiered:  # applied from outside: the model is written plainly
             self._tier_storage()
-        self.device = resolve_device(cfg.device)
+        self.device = resolve_device(cfg.training.device)
         self.updater = self.strategy.prepare(self.model, cfg, self.device)
         optimize_config = cfg.optimize
         if self.device.type == "cuda":  # the stage runs on CPU into pinned memory, one copy on a side stream
@@ -211,24 +121,24 @@ class Trainer:
         self.skipped_nonfinite = 0
         self.eval_history: list[dict] = []  # --eval-every
         self.exports = None
-        if cfg.export_dir and self.strategy.is_chief:
-            self.exports = self.strategy.export_writer(cfg.export_dir, self.model, self.schema, canonical(self.spec),
+        if cfg.export.dir and self.strategy.is_chief:
+            self.exports = self.strategy.export_writer(cfg.export.dir, self.model, self.schema, canonical(self.spec),
                                                        self.updater)
-        if cfg.checkpoint_dir:
-            remove_stale_temporaries(self.strategy.checkpoint_dir(cfg.checkpoint_dir))
-        if cfg.resume:
+        if cfg.checkpoint.dir:
+            remove_stale_temporaries(self.strategy.checkpoint_dir(cfg.checkpoint.dir))
+        if cfg.checkpoint.resume:
             self._restore()
-        if cfg.steps is not None and self.step > cfg.steps:
-            raise ConfigError(f"--steps {cfg.steps} is below the {self.step} steps already done in "
-                              f"{cfg.checkpoint_dir}: give --steps above {self.step} to train on")
+        if cfg.training.steps is not None and self.step > cfg.training.steps:
+            raise ConfigError(f"--steps {cfg.training.steps} is below the {self.step} steps already done in "
+                              f"{cfg.checkpoint.dir}: give --steps above {self.step} to train on")
 
     def _model_overrides(self) -> dict:
-        overrides = dict(self.cfg.model_overrides)
+        overrides = dict(self.cfg.model.overrides)
         if is_zoo(self.spec):
             overrides.update(self.strategy.model_overrides(self.cfg))
-            if self.cfg.embedding is not None:
-                overrides["embedding"] = self.cfg.embedding
-        elif self.cfg.embedding is not None:
+            if self.cfg.model.embedding is not None:
+                overrides["embedding"] = self.cfg.model.embedding
+        elif self.cfg.model.embedding is not None:
             raise ConfigError(f"--embedding chooses a zoo model's tables; {self.spec!r} declares its own "
                               "embeddings (drop --embedding)")
         return overrides
@@ -238,9 +148,8 @@ class Trainer:
         if not variables:
             raise ConfigError("--storage ssd tiers EmbeddingVariables and this model has none (zoo models: "
                               "--embedding variable)")
-        cfg = self.cfg
-        use_storage(self.model, StorageOption(tiers=["dram", "ssd"], dram_bytes=max(1, cfg.dram_bytes // variables),
-                                              path=cfg.storage_path, cache=cfg.cache, prefetch=cfg.storage_prefetch))
+        storage = self.cfg.storage  # --dram-bytes is the model's: shared evenly by its EmbeddingVariables
+        use_storage(self.model, dataclasses.replace(storage, dram_bytes=max(1, storage.dram_bytes // variables)))
 
     @property
     def step(self) -> int:
@@ -255,17 +164,17 @@ class Trainer:
     def save(self, incremental: bool = False) -> str:
         if incremental:
             with incremental_state_dict():
-                return save_checkpoint(self.strategy.checkpoint_dir(self.cfg.checkpoint_dir), self.step, self.state(),
+                return save_checkpoint(self.strategy.checkpoint_dir(self.cfg.checkpoint.dir), self.step, self.state(),
                                        kind="incremental")
-        return save_checkpoint(self.strategy.checkpoint_dir(self.cfg.checkpoint_dir), self.step, self.state())
+        return save_checkpoint(self.strategy.checkpoint_dir(self.cfg.checkpoint.dir), self.step, self.state())
 
     def _restore(self) -> None:
-        found = self.strategy.restore(self.cfg.checkpoint_dir, self.train_reader)
+        found = self.strategy.restore(self.cfg.checkpoint.dir, self.train_reader)
         for err in found.skipped:
             self.console.print(f"[yellow]warning:[/yellow] skipped {escape(str(err))}", highlight=False)
             log.warning("resume skipped %s", err)
         if not found.states:
-            self.console.print(f"no checkpoint in {self.cfg.checkpoint_dir}: starting from step 0")
+            self.console.print(f"no checkpoint in {self.cfg.checkpoint.dir}: starting from step 0")
             return
         if found.note:
             self.console.print(found.note)
@@ -306,16 +215,16 @@ class Trainer:
         cfg, step = self.cfg, self.step
         if step == self.exports.last_step:
             return
-        if cfg.export_every and step % cfg.export_every == 0:
+        if cfg.export.every and step % cfg.export.every == 0:
             self.exports.full(step)
-        elif (cfg.export_incremental_every and step % cfg.export_incremental_every == 0) or final:
+        elif (cfg.export.incremental_every and step % cfg.export.incremental_every == 0) or final:
             self.exports.delta(step)
 
     def _nonfinite(self, what: str) -> None:
         """A step that was not applied (its loss or dense gradient is inf or nan)."""
         position = self._reader_state
         where = f"epoch {position['epoch']}, batch {position['batches']}" if position else "unknown position"
-        if self.cfg.on_nan == "raise":
+        if self.cfg.training.on_nan == "raise":
             raise NonFiniteError(f"non-finite {what} at step {self.step + 1} (reader {where}; the step was not "
                                  "applied): check the data and the learning rate, or --on-nan skip to skip such "
                                  "batches and count them")
@@ -325,26 +234,26 @@ class Trainer:
     def _after_step(self, progress) -> None:
         """Checkpoints, exports and evaluations that fall on this step."""
         cfg, step = self.cfg, self.step
-        if cfg.checkpoint_dir and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+        if cfg.checkpoint.dir and cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
             self.save()
-        elif cfg.checkpoint_dir and cfg.incremental_every and step % cfg.incremental_every == 0:
+        elif cfg.checkpoint.dir and cfg.checkpoint.incremental_every and step % cfg.checkpoint.incremental_every == 0:
             self.save(incremental=True)
         if self.exports is not None:
             self._export_now()
-        if cfg.eval_every and step % cfg.eval_every == 0 and self.eval_reader is not None:
+        if cfg.training.eval_every and step % cfg.training.eval_every == 0 and self.eval_reader is not None:
             self._evaluate_now(progress)
 
     def _progress(self) -> Progress:
         return Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
                         TextColumn("loss {task.fields[loss]:.4f}  {task.fields[rate]:,.0f} samples/s"),
                         TimeElapsedColumn(), console=self.console,
-                        disable=not (self.cfg.progress and self.console.is_terminal))
+                        disable=not (self.cfg.training.progress and self.console.is_terminal))
 
     # -- the loop ------------------------------------------------------------------------
     def train(self) -> dict:
-        """Train to cfg.steps (or cfg.epochs); on SIGINT/SIGTERM finish the step, checkpoint and raise
+        """Train to cfg.training.steps (or cfg.training.epochs); on SIGINT/SIGTERM finish the step, checkpoint and raise
         `Interrupted`. Returns throughput, final loss and evaluation metrics."""
-        cfg, total = self.cfg, self.cfg.steps
+        cfg, total = self.cfg, self.cfg.training.steps
         self.model.train()
         start_step, rows, losses, steady = self.step, 0, [], None
         progress, stop = self._progress(), StopOnSignals()
@@ -376,7 +285,7 @@ class Trainer:
             if self.exports is not None:
                 self._export_now(final=True)  # the served model catches up with the trained one
             elapsed = time.perf_counter() - started
-            saved = self.save() if cfg.checkpoint_dir and self.step > start_step else None
+            saved = self.save() if cfg.checkpoint.dir and self.step > start_step else None
             result = self._result(start_step, rows, losses, steady, started, elapsed, evaluate=not stop.requested)
         if stop.requested:
             raise Interrupted(stop.signal, self.step, saved)
@@ -385,7 +294,7 @@ class Trainer:
     def _stop(self, signum: int) -> None:
         """A signal asked the run to stop: the step is done; checkpoint it and say where."""
         self.updater.finish()
-        path = self.save() if self.cfg.checkpoint_dir else None
+        path = self.save() if self.cfg.checkpoint.dir else None
         raise Interrupted(signum, self.step, path)
 
     def _result(self, start_step, rows, losses, steady, started, elapsed, evaluate: bool = True) -> dict:
@@ -420,7 +329,7 @@ class Trainer:
 
 def train(cfg: TrainConfig, console: Console | None = None, *, model: torch.nn.Module | None = None,
           strategy: Strategy | None = None) -> dict:
-    """Train per `cfg` (any model: `model=` an object, or cfg.model a name or module:attribute)."""
+    """Train per `cfg` (any model: `model=` an object, or cfg.model.name a name or module:attribute)."""
     return Trainer(cfg, console, model=model, strategy=strategy).train()
 
 

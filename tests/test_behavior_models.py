@@ -61,7 +61,7 @@ LEARNING = {"din": (100, 0.68, {}), "dien": (60, 0.6, {"max_length": 20}), "dssm
 def test_each_model_learns_the_planted_preference(name, behavior):
     steps, bound, extra = LEARNING[name]
     train, evaluation = behavior
-    cfg = TrainConfig(model=name, data=[train], eval_data=[evaluation], steps=steps, batch_size=256,
+    cfg = TrainConfig.create(model=name, data=[train], eval_data=[evaluation], steps=steps, batch_size=256,
                       optimizer="adam", lr=0.003, progress=False, seed=0,
                       model_overrides={"hash_buckets": 20000, **extra})
     result = Trainer(cfg).train()

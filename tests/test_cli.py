@@ -129,8 +129,9 @@ def test_config_file_sets_options_and_flags_override_it(tmp_path, monkeypatch, s
                    '[optimize.smart_stage_options]\ncapacity = 3\nexecutor = "thread"\n')
     args = build_parser().parse_args(["train", "--config", str(run), "--steps", "9", "--stage-threads", "2"])
     cfg, _, _ = train_config(args, Console(stderr=True))
-    assert (cfg.model, cfg.data, cfg.steps, cfg.lr) == ("wdl", [sample], 9, 0.01)  # --steps beat the file's 7
-    assert cfg.model_overrides == {"embedding_dim": 8, "dnn": [32, 16]}
+    # the file's flat keys (the flags' names) land in their sections
+    assert (cfg.model.name, cfg.data.paths, cfg.training.steps, cfg.optimizer.lr) == ("wdl", [sample], 9, 0.01)
+    assert cfg.model.overrides == {"embedding_dim": 8, "dnn": [32, 16]}
     opts = cfg.optimize.smart_stage_options
     assert cfg.optimize.smart_stage and cfg.optimize.micro_batch_num == 2
     assert (opts.capacity, opts.num_threads, opts.executor) == (3, 2, "thread")
@@ -174,9 +175,15 @@ def test_version_and_help_show_every_option_with_its_default(capsys):
                  "--bf16", "--multi-stream", "--stream-policy", "--async-embedding", "--config"):
         assert flag in text, flag
     assert "(default: 512)" in text and "(default: auto)" in text  # batch size; the trainer's stage executor
-    cli_fields = [f for f in dataclasses.fields(TrainConfig) if f.metadata.get("cli", True) is not False]
-    helps = [f.metadata.get("help") for f in cli_fields if f.name != "optimize"]
-    assert all(helps), [f.name for f in cli_fields if not f.metadata.get("help")]
+    from deeprec.options import field_docs
+
+    for section in dataclasses.fields(TrainConfig):  # every flag of every section has its help
+        if section.name == "optimize":
+            continue
+        cls = section.default_factory().__class__
+        missing = [f.name for f in dataclasses.fields(cls) if f.metadata.get("cli", True) is not False
+                   and not (f.metadata.get("help") or field_docs(cls).get(f.name))]
+        assert not missing, (section.name, missing)
 
 
 def test_tf_config_becomes_a_worker_task_in_one_place(tmp_path, monkeypatch):
@@ -196,3 +203,108 @@ def test_tf_config_becomes_a_worker_task_in_one_place(tmp_path, monkeypatch):
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"ps": ["ps-0:2222"]}, "task": {"type": "ps"}}))
     with pytest.raises(ConfigError, match="runs worker tasks"):
         worker_task_from_env()
+
+
+def test_train_config_sections_from_toml_tables_flags_and_python(tmp_path, sample):
+    """One declaration per option: a TOML table per section, the flags of before, and
+    TrainConfig.create with sections or flat names all give the same config."""
+    from deeprec.cli import build_parser, train_config
+    from deeprec.errors import ConfigError
+    from deeprec.trainer import TrainConfig
+    from rich.console import Console
+
+    run = tmp_path / "run.toml"
+    run.write_text(f'[data]\npaths = ["{sample}"]\nbatch_size = 16\n[checkpoint]\ndir = "{tmp_path / "ck"}"\n'
+                   'every = 5\n[storage]\ntiers = ["dram", "ssd"]\ndram_bytes = 4096\n[distributed]\nsync = true\n'
+                   "[model.overrides]\nembedding_dim = 8\n")
+    from_file, _, _ = train_config(build_parser().parse_args(["train", "--config", str(run)]), Console(stderr=True))
+    from_flags, _, _ = train_config(build_parser().parse_args(
+        ["train", "--data", sample, "--batch-size", "16", "--checkpoint-dir", str(tmp_path / "ck"),
+         "--checkpoint-every", "5", "--storage", "ssd", "--dram-bytes", "4096", "--sync"]), Console(stderr=True))
+    flat = TrainConfig.create(data=[sample], batch_size=16, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=5,
+                              storage="ssd", dram_bytes=4096, sync=True, model_overrides={"embedding_dim": 8})
+    nested = TrainConfig.create(data={"paths": [sample], "batch_size": 16},
+                                checkpoint={"dir": str(tmp_path / "ck"), "every": 5},
+                                storage={"tiers": ["dram", "ssd"], "dram_bytes": 4096}, distributed={"sync": True},
+                                model={"overrides": {"embedding_dim": 8}})
+    from_flags.model.overrides = {"embedding_dim": 8}  # no flag: a TOML table or Python only
+    for cfg in (from_file, from_flags, flat):
+        assert cfg == nested
+    assert nested.storage.tiered and nested.checkpoint.dir == str(tmp_path / "ck")
+    with pytest.raises(ConfigError, match="unknown option 'checkpoint_directory'.*checkpoint_dir"):
+        TrainConfig.create(data=[sample], checkpoint_directory="x")
+    with pytest.raises(ConfigError, match="unknown option 'data.path'"):
+        TrainConfig.create(data={"path": [sample]})
+
+
+def test_train_help_groups_flags_by_section_with_the_fields_docstrings():
+    from deeprec.cli import build_parser
+
+    text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
+    for section in ("data:", "model:", "optimizer:", "training:", "checkpoint:", "export:", "storage:",
+                    "distributed:", "optimizations (deeprec.optimize):"):
+        assert f"\n{section}\n" in text, section
+    data_part = text.split("\ndata:\n")[1].split("\nmodel:\n")[0]
+    assert "--eval-fraction" in data_part and "--checkpoint-dir" not in data_part
+    assert "rows per training batch" in data_part  # the docstring under DataConfig.batch_size
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["train", "--steps", "-5"], "--steps"),
+    (["train", "--lr", "-1"], "--lr"),
+    (["train", "--batch-size", "0"], "--batch-size"),
+    (["train", "--eval-fraction", "1.5"], "--eval-fraction"),
+    (["train", "--synthetic", "0"], "--synthetic"),
+    (["train", "--storage", "ssd", "--dram-bytes", "2X"], "--dram-bytes"),
+    (["train", "--storage", "ssd"], "--dram-bytes"),
+    (["train", "--optimizer", "lamb"], "--optimizer"),
+    (["launch", "--workers", "0", "--", "train"], "--workers"),
+    (["evaluate", "--checkpoint", "x", "--data", "y", "--batch-size", "-1"], "--batch-size"),
+])
+def test_bad_flag_values_exit_2_with_one_line_naming_the_flag(argv, names, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        code = main(argv)
+        raise SystemExit(code)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2, err
+    assert names in err and "Traceback" not in err, err
+    assert len([line for line in err.strip().splitlines() if "error" in line]) == 1, err
+
+
+@pytest.mark.parametrize("toml, names", [
+    ('steps = "five"\n', "--steps (training.steps in a config file): expected `int or none`, got 'five'"),
+    ('[optimize]\nsmart_stage = "yes"\n', "--smart-stage (optimize.smart_stage in a config file): expected `bool`"),
+    ('[training]\nseed = 1.5\n', "--seed"),
+    ('[data]\nbatch_size = -3\n', "--batch-size"),
+    ('[storage]\ntiers = ["dram", "ssd"]\ndram_bytes = "2G"\n[training]\nsteps = 0\n', "--steps"),
+])
+def test_bad_config_file_values_name_the_option(tmp_path, toml, names, capsys):
+    run = tmp_path / "run.toml"
+    run.write_text(toml)
+    assert main(["train", "--config", str(run)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert names in err and "Traceback" not in err, err
+
+
+def test_sizes_take_units_everywhere_a_byte_count_is_asked(tmp_path, sample):
+    from deeprec.trainer import TrainConfig
+
+    cfg = TrainConfig.create(data=[sample], storage="ssd", dram_bytes="2G")
+    assert cfg.storage.dram_bytes == 2 * 1024 ** 3
+    assert TrainConfig.create(data=[sample], storage={"tiers": ["dram", "ssd"], "dram_bytes": "1.5GB"}
+                              ).storage.dram_bytes == 1_500_000_000
+
+
+def test_export_onto_an_existing_file_is_refused_with_one_line(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    assert main(["train", "--model", "dlrm", "--steps", "2", "--no-progress", "--checkpoint-dir", str(ck)]) == 0
+    target = tmp_path / "a_file"
+    target.write_text("keep me")
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", str(ck), "--out", str(target)]) == 2
+    assert "is a file: an export is a folder" in capsys.readouterr().err
+    assert target.read_text() == "keep me"
+
+
+def test_explain_takes_every_embedding_kind_train_takes(capsys):
+    assert main(["explain", "--model", "dlrm", "--embedding", "torch"]) == 0

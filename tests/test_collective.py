@@ -386,3 +386,21 @@ def test_launch_collective_stops_every_rank_when_one_fails(tmp_path, unique_tsv)
     assert "stopping the other ranks" in out
     flat = "".join(out.replace("[worker1]", "").split())  # the worker's console wraps long lines
     assert "".join(f"{data}:3501: expected 40 fields, found 1".split()) in flat
+
+
+def test_the_one_evaluation_loop_runs_uncounted_batches_without_counting_them():
+    from deeprec.metrics import Uncounted, run_evaluation
+
+    calls = []
+
+    class Counting(Scored):
+        def forward(self, batch):
+            calls.append(self.training)
+            return super().forward(batch)
+
+    model = Counting(Tiny())
+    batches = eval_batches()
+    evaluation = run_evaluation(model, [batches[0], Uncounted(batches[0]), batches[1]], progress=False)
+    assert calls == [False, False, False] and model.training  # eval mode for the pass, then restored
+    assert evaluation.result() == evaluate(model, batches[:2])  # the uncounted batch ran, uncounted
+    assert evaluation.result()["rows"] == 16 + 9

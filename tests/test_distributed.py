@@ -172,10 +172,10 @@ def test_ps_training_equals_single_process_training(ps_pool, unique_tsv, num_ps,
     small = {"hash_buckets": 1000, "bottom_mlp": (32, 16), "top_mlp": (32,)}
     common = dict(model="dlrm", data=[unique_tsv], steps=12, batch_size=128, optimizer="adagrad", lr=0.05,
                   seed=3, model_overrides=small, progress=False)
-    local = Trainer(TrainConfig(embedding="variable", **common))
+    local = Trainer(TrainConfig.create(embedding="variable", **common))
     local.train()
     addresses, _ = ps_pool(num_ps)
-    remote = Trainer(TrainConfig(protocol="star_server", dense=dense, **common), strategy=ParameterServer(addresses))
+    remote = Trainer(TrainConfig.create(protocol="star_server", dense=dense, **common), strategy=ParameterServer(addresses))
     remote.train()
     remote.updater.pull_dense()
     for name, p in local.model.named_parameters():
@@ -245,12 +245,12 @@ def test_ps_checkpoint_restores_onto_a_different_number_of_ps(ps_pool, unique_ts
     common = dict(model="dlrm", data=[unique_tsv], batch_size=128, optimizer="adagrad", lr=0.05, seed=3,
                   model_overrides=small, progress=False)
     one, _ = ps_pool(1)
-    full = Trainer(TrainConfig(steps=20, **common), strategy=ParameterServer(one))
+    full = Trainer(TrainConfig.create(steps=20, **common), strategy=ParameterServer(one))
     full.train()
     two, _ = ps_pool(2)
-    Trainer(TrainConfig(steps=12, checkpoint_dir=str(tmp_path), **common), strategy=ParameterServer(two)).train()
+    Trainer(TrainConfig.create(steps=12, checkpoint_dir=str(tmp_path), **common), strategy=ParameterServer(two)).train()
     three, _ = ps_pool(3)
-    resumed = Trainer(TrainConfig(steps=20, checkpoint_dir=str(tmp_path), resume=True, **common),
+    resumed = Trainer(TrainConfig.create(steps=20, checkpoint_dir=str(tmp_path), resume=True, **common),
                       strategy=ParameterServer(three))
     assert resumed.step == 12
     resumed.train()
@@ -313,7 +313,7 @@ def test_sync_workers_step_together(ps_pool, unique_tsv):
 
     addresses, _ = ps_pool(2)
     small = {"hash_buckets": 1000, "bottom_mlp": (32, 16), "top_mlp": (32,)}
-    trainers = [Trainer(TrainConfig(model="dlrm", data=[unique_tsv], steps=6, batch_size=64, optimizer="adagrad",
+    trainers = [Trainer(TrainConfig.create(model="dlrm", data=[unique_tsv], steps=6, batch_size=64, optimizer="adagrad",
                                     sync=True, dense="ps", model_overrides=small, progress=False),
                         strategy=ParameterServer(addresses, i, 2)) for i in range(2)]
     errors = []
@@ -340,7 +340,7 @@ def test_lite_protocol_in_training_saves_round_trips_with_the_same_result(ps_poo
     runs = {}
     for protocol in ("star_server", "star_server_lite"):
         addresses, _ = ps_pool(2)
-        t = Trainer(TrainConfig(model="dlrm", data=[unique_tsv], steps=10, batch_size=64, optimizer="adagrad",
+        t = Trainer(TrainConfig.create(model="dlrm", data=[unique_tsv], steps=10, batch_size=64, optimizer="adagrad",
                                 protocol=protocol, model_overrides=small, progress=False,
                                 dense=dense), strategy=ParameterServer(addresses))
         t.train()

@@ -171,10 +171,10 @@ def test_din_on_one_parameter_server_equals_local_training(behavior, ps_pool):
 
     common = dict(model="din", data=[behavior[0]], steps=6, batch_size=64, optimizer="adagrad", lr=0.05, seed=3,
                   model_overrides={**SMALL["din"], "batch_norm": False}, progress=False)
-    local = Trainer(TrainConfig(embedding="variable", **common))
+    local = Trainer(TrainConfig.create(embedding="variable", **common))
     local.train()
     addresses, _ = ps_pool(1)
-    remote = Trainer(TrainConfig(**common), strategy=ParameterServer(addresses))
+    remote = Trainer(TrainConfig.create(**common), strategy=ParameterServer(addresses))
     remote.train()
     remote.updater.pull_dense()
     for name, p in local.model.named_parameters():

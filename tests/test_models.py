@@ -68,7 +68,7 @@ def test_sizes_are_configurable_and_checked():
 @pytest.mark.parametrize("name", CRITEO_MODELS)
 def test_learns_planted_click_model(name, synthetic):
     train_file, eval_file = synthetic
-    result = train(TrainConfig(model=name, data=[train_file], eval_data=[eval_file], steps=150,
+    result = train(TrainConfig.create(model=name, data=[train_file], eval_data=[eval_file], steps=150,
                                batch_size=512, progress=False))
     assert result["steps"] == 150
     assert result["eval"]["rows"] == 10_000

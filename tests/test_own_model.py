@@ -55,7 +55,7 @@ def test_trainer_takes_a_model_object_and_checks_its_outputs(sample):
         from custom_model import ClickModel
     finally:
         sys.path.remove(os.path.dirname(EXAMPLE))
-    cfg = TrainConfig(data=[sample], steps=3, batch_size=16, progress=False, eval_fraction=0.2)
+    cfg = TrainConfig.create(data=[sample], steps=3, batch_size=16, progress=False, eval_fraction=0.2)
     result = Trainer(cfg, model=ClickModel(resolve_schema([sample], None), dim=4)).train()
     assert result["steps"] == 3 and 0.0 <= result["eval"]["auc"] <= 1.0
 
@@ -68,7 +68,7 @@ def test_trainer_takes_a_model_object_and_checks_its_outputs(sample):
             return {"loss": (self.w * batch["I1"].nan_to_num()).sum()}
 
     with pytest.raises(ConfigError, match="must return a dict with 'loss'.*and 'logits'"):
-        Trainer(TrainConfig(data=[sample], steps=2, batch_size=16, progress=False), model=NoLogits()).train()
+        Trainer(TrainConfig.create(data=[sample], steps=2, batch_size=16, progress=False), model=NoLogits()).train()
 
 
 def test_resume_below_done_steps_is_refused_before_training(tmp_path, sample):
@@ -76,9 +76,9 @@ def test_resume_below_done_steps_is_refused_before_training(tmp_path, sample):
 
     common = dict(model="wdl", data=[sample], batch_size=16, progress=False, checkpoint_dir=str(tmp_path),
                   model_overrides={"embedding_dim": 4, "dnn": [8]})
-    Trainer(TrainConfig(steps=6, **common)).train()
+    Trainer(TrainConfig.create(steps=6, **common)).train()
     with pytest.raises(ConfigError, match="--steps 4 is below the 6 steps already done"):
-        Trainer(TrainConfig(steps=4, resume=True, **common))
+        Trainer(TrainConfig.create(steps=4, resume=True, **common))
 
 
 def test_every_zoo_model_runs_on_its_bundled_sample(tmp_path):
@@ -127,7 +127,7 @@ def test_own_model_trains_on_a_ps_job_and_its_checkpoint_evaluates_exports_and_s
     exported = deeprec("export", "--checkpoint", str(ck), "--out", str(tmp_path / "exp"), cwd=tmp_path)
     assert exported.returncode == 0, exported.stderr[-3000:]
     # the export scores as the merged checkpoint does: its log loss over the sample equals evaluate's
-    from deeprec.cli import model_from_checkpoint
+    from deeprec.strategies import model_from_checkpoint
     from deeprec.data import open_reader
     from deeprec.metrics import evaluate
     from deeprec.serving import load
@@ -193,12 +193,12 @@ def _scores(model, batch):
 
 @pytest.mark.slow
 def test_own_model_with_tiered_storage_serves_its_exports_and_deltas_while_training(tmp_path, sample):
-    from deeprec.cli import model_from_checkpoint
+    from deeprec.strategies import model_from_checkpoint
     from deeprec.data import open_reader
     from deeprec.serving.online import ExportFolder
     from deeprec.trainer import TrainConfig, Trainer
 
-    cfg = TrainConfig(model=SPEC, data=[sample], steps=9, batch_size=16, progress=False, storage="ssd",
+    cfg = TrainConfig.create(model=SPEC, data=[sample], steps=9, batch_size=16, progress=False, storage="ssd",
                       dram_bytes=26 * 20_000, storage_path=str(tmp_path / "disk"), checkpoint_dir=str(tmp_path / "ck"),
                       export_dir=str(tmp_path / "live"), export_every=6, export_incremental_every=3)
     result = Trainer(cfg).train()
@@ -214,7 +214,7 @@ def test_own_model_with_tiered_storage_serves_its_exports_and_deltas_while_train
 
 @pytest.mark.slow
 def test_own_model_on_a_ps_job_exports_while_training(tmp_path, sample):
-    from deeprec.cli import model_from_checkpoint
+    from deeprec.strategies import model_from_checkpoint
     from deeprec.data import open_reader
     from deeprec.serving.online import ExportFolder
 
@@ -259,12 +259,12 @@ def test_a_shared_embedding_variable_trains_on_a_ps_as_locally(ps_pool, sample):
 
     common = dict(data=[sample], steps=5, batch_size=32, optimizer="sgd", lr=0.1, progress=False)
     torch.manual_seed(0)
-    local = Trainer(TrainConfig(**common), model=SharedEmbedding())
+    local = Trainer(TrainConfig.create(**common), model=SharedEmbedding())
     torch.manual_seed(0)
     remote_model = SharedEmbedding()
     reference = ps_variables(remote_model)["ids"]
     addresses, _ = ps_pool(1)
-    remote = Trainer(TrainConfig(**common), model=remote_model, strategy=ParameterServer(addresses))
+    remote = Trainer(TrainConfig.create(**common), model=remote_model, strategy=ParameterServer(addresses))
     local.train()
     remote.train()
     rows = remote.updater.client.snapshot()

@@ -190,3 +190,17 @@ def test_compressed_input_is_a_clear_error(tmp_path, sample):
     path.write_bytes(gzip.compress(open(sample, "rb").read()))
     with pytest.raises(DataError, match="day_0.gz: gzip-compressed input is not read directly"):
         CriteoReader(str(path), 8)
+
+
+def test_a_device_file_and_mixed_formats_are_refused_before_reading(tmp_path, sample):
+    import shutil
+
+    from deeprec.data import open_reader
+    from deeprec.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="'/dev/zero' is not a regular file"):
+        open_reader(["/dev/zero"], 32)
+    shutil.copy(sample, tmp_path / "a.txt")
+    (tmp_path / "b.parquet").write_bytes(b"PAR1")
+    with pytest.raises(ConfigError, match="mixes Parquet .*b.parquet.* and text files .*a.txt"):
+        open_reader([str(tmp_path)], 32)

@@ -166,12 +166,15 @@ def test_serving_export_of_a_tiered_model_reads_every_row(tmp_path):
 
 
 def test_dram_too_small_and_bad_options_are_clear_errors(tmp_path):
-    with pytest.raises(dr.ConfigError, match="dram_bytes must be a positive int"):
+    with pytest.raises(dr.ConfigError, match="--storage ssd needs --dram-bytes"):
         dr.StorageOption(tiers=["dram", "ssd"])
+    with pytest.raises(dr.ConfigError, match=r"--dram-bytes \(storage.dram_bytes in a config file\): expected `int` >= 1"):
+        dr.StorageOption(tiers=["dram", "ssd"], dram_bytes=0)
     with pytest.raises(dr.ConfigError, match="tiers=.*is not allowed"):
         dr.StorageOption(tiers=["ssd"], dram_bytes=10)
-    with pytest.raises(dr.ConfigError, match="cache='fifo' is not allowed"):
+    with pytest.raises(dr.ConfigError, match="--cache .*'fifo' is not allowed; choose one of lfu, lru"):
         dr.StorageOption(tiers=["dram", "ssd"], dram_bytes=10, cache="fifo")
+    assert dr.StorageOption(tiers=["dram", "ssd"], dram_bytes="512M").dram_bytes == 512 * 1024 ** 2
     ev = _ev(_tiered(tmp_path, 2000))
     with pytest.raises(dr.ConfigError, match="holds 20 rows, too few for the rows of the last 4 lookups"):
         ev(torch.arange(100))  # one lookup's keys must fit DRAM

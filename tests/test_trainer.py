@@ -47,7 +47,7 @@ def test_resume_with_epochs_and_periodic_checkpoints(tmp_path, unique_tsv, small
     assert full.train()["steps"] == 80
     part = Trainer(_cfg(unique_tsv, tmp_path / "b", small_model, epochs=2, checkpoint_every=30))
     # simulate a crash after step 60: stop the loop by exhausting it early
-    part.cfg.steps, part.cfg.epochs = 60, None
+    part.cfg.training.steps, part.cfg.training.epochs = 60, None
     part.train()
     assert [os.path.basename(p) for p in list_checkpoints(str(tmp_path / "b"))] == [
         "checkpoint-000000030.pt", "checkpoint-000000060.pt"]
@@ -85,12 +85,12 @@ def test_resume_refuses_other_model(tmp_path, unique_tsv, small_model):
 
 
 def test_config_errors(unique_tsv):
-    with pytest.raises(ConfigError, match="steps or epochs, not both"):
-        TrainConfig(data=[unique_tsv], steps=1, epochs=1)
-    with pytest.raises(ConfigError, match="resume needs checkpoint_dir"):
-        TrainConfig(data=[unique_tsv], resume=True)
+    with pytest.raises(ConfigError, match="--steps or --epochs, not both"):
+        TrainConfig.create(data=[unique_tsv], steps=1, epochs=1)
+    with pytest.raises(ConfigError, match="--resume needs --checkpoint-dir"):
+        TrainConfig.create(data=[unique_tsv], resume=True)
     with pytest.raises(ConfigError, match="optimizer='lamb' is not allowed"):
-        Trainer(TrainConfig(data=[unique_tsv], optimizer="lamb", progress=False))
+        Trainer(TrainConfig.create(data=[unique_tsv], optimizer="lamb", progress=False))
 
 
 def test_evaluate_uses_model_predictions(sample):

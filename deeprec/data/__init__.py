@@ -1,4 +1,6 @@
 """Readers yielding raw batches, dataset schemas and presets, and the synthetic generators."""
+import os
+
 from deeprec.data.collate import collate
 from deeprec.data.criteo import CRITEO_SCHEMA, DENSE, LABEL, SPARSE, CriteoReader, detect_layout
 from deeprec.data.csv import CsvReader
@@ -8,6 +10,7 @@ from deeprec.data.reader import BatchReader, ReaderStats
 from deeprec.data.schema import Column, Schema, load_schema, schema_from_dict, schema_to_dict
 from deeprec.data.synth import KAGGLE_CARDINALITIES, SMALL_CARDINALITIES, write_synthetic
 from deeprec.data.synth_behavior import write_behavior
+from deeprec.errors import ConfigError
 
 
 def resolve_schema(paths, schema=None) -> Schema:
@@ -18,8 +21,10 @@ def resolve_schema(paths, schema=None) -> Schema:
         return schema
     if isinstance(schema, dict):
         return schema_from_dict(schema)
-    if isinstance(schema, str) and schema.endswith(".toml"):
-        return load_schema(schema)
+    if isinstance(schema, str) and (schema.endswith(".toml") or os.sep in schema or os.path.exists(schema)):
+        return load_schema(schema)  # a file: named by --schema when it is missing or no file
+    if isinstance(schema, str) and schema not in PRESETS:
+        raise ConfigError(f"--schema {schema!r} is neither a preset ({', '.join(PRESETS)}) nor a TOML schema file")
     files = resolve_paths(paths)
     if all(f.endswith((".parquet", ".pq")) for f in files):
         return PRESETS[schema or "criteo"]

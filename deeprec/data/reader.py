@@ -261,27 +261,40 @@ def _rebatch(tables: Iterator[pa.Table], batch_size: int, drop_remainder: bool) 
         yield pa.concat_tables(pending).combine_chunks()
 
 
-def resolve_paths(paths: Sequence[str] | str) -> list[str]:
-    """Expand directories and globs into a sorted list of files."""
+PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
+def resolve_paths(paths: Sequence[str] | str, option: str | None = None) -> list[str]:
+    """Expand directories and globs into a sorted list of files, all of one kind (Parquet or text);
+    errors start with `option` (the flag that gave the paths) when given."""
     import glob
     import os
 
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     out: list[str] = []
+    named = f"{option}: " if option else ""
     for p in map(str, paths):
         if os.path.isdir(p):
             files = sorted(os.path.join(p, f) for f in os.listdir(p) if not f.startswith("."))
             if not files:
-                raise ConfigError(f"directory {p!r} holds no data files (names starting with '.' are ignored)")
+                raise ConfigError(named + f"directory {p!r} holds no data files (names starting with '.' are ignored)")
             out.extend(files)
         elif any(ch in p for ch in "*?["):
             matched = sorted(glob.glob(p))
             if not matched:
-                raise ConfigError(f"no file matches {p!r}")
+                raise ConfigError(named + f"no file matches {p!r}")
             out.extend(matched)
         elif os.path.exists(p):
             out.append(p)
         else:
-            raise ConfigError(f"no such file: {p!r}")
+            raise ConfigError(named + f"no such file: {p!r}")
+    for f in out:  # a device or a pipe (/dev/zero) never ends: refused before reading
+        if not os.path.isfile(f):
+            raise ConfigError(named + f"{f!r} is not a regular file: give data files, folders of them, or globs")
+    parquet = [f for f in out if f.endswith(PARQUET_SUFFIXES)]
+    if parquet and len(parquet) != len(out):
+        text = next(f for f in out if not f.endswith(PARQUET_SUFFIXES))
+        raise ConfigError(named + f"the data mixes Parquet ({parquet[0]!r}) and text files ({text!r}): give one kind "
+                          "(a folder or glob of .parquet files, or of CSV/TSV files)")
     return out

@@ -252,7 +252,7 @@ def load_schema(path: str) -> Schema:
         name = "click"
         kind = "label"
     """
-    return schema_from_dict(read_toml(path, "schema"), where=path)
+    return schema_from_dict(read_toml(path, "--schema"), where=path)
 
 
 def schema_from_dict(spec: dict, where: str = "schema") -> Schema:

@@ -2,7 +2,8 @@
 
     distributed/
       cluster.py     ClusterSpec, TF_CONFIG -> WorkerTask, .endpoint_map (which process is which)
-      allreduce.py   rendezvous (MASTER_ADDR/PORT) and the dense all-reduce of replicated layers
+      allreduce.py   rendezvous (MASTER_ADDR/PORT) and the dense all-reduce of replicated layers (bucketed,
+                     overlapped with the backward): PS workers' --dense allreduce and collective ranks
       launch.py      `deeprec launch`: PSs and workers, or torchrun-style ranks, on one machine
       ps/            the parameter server (StarServer over gRPC): shards, client, worker, Strategy
       collective/    collective training (torchrun ranks): sharded lookups by all-to-all, Strategy

@@ -1,23 +1,36 @@
-"""Hybrid training's dense half: dense parameters replicated on the workers, averaged by all-reduce.
+"""The dense all-reduce: replicated dense parameters, their gradients averaged over the workers.
+Collective training (deeprec.distributed.collective) and PS workers with `--dense allreduce`
+(deeprec.distributed.ps.worker: the HybridBackend / SOK+Horovod layout, only embedding rows travel
+to the PSs) both use `DenseAllReduce`, DDP's bucketed algorithm:
 
-    worker r: backward ──> dense grads ──one flat buffer──> all_reduce(sum) ──/ active workers──> local optimizer
-              embedding grads ──> the PSs (deeprec.distributed.ps.worker)
+    backward ──grads of bucket 0 ready──> all_reduce(bucket 0, async) ─┐   (buckets in backward order,
+             ──grads of bucket 1 ready──> all_reduce(bucket 1, async) ─┤    launched strictly in index
+             ...                                                       │    order so every rank pairs
+    apply:   wait for each bucket, grads = sum / N  <──────────────────┘    them alike)
 
-This is the HybridBackend / SOK+Horovod layout: only embedding rows travel to the PSs.
-torch.distributed runs it: gloo for CPU parameters, NCCL for CUDA ones. The rendezvous
-comes from MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE (set by `deeprec launch` and by
-Kubeflow's PyTorchJob), or, under a TFJob, from TF_CONFIG: worker 0's address.
+    overlap=False (micro-batches; PS workers): nothing is launched inside the backward; apply
+    launches every bucket, in the same order. A PS worker's buffer is one bucket of every parameter.
+    drain=True (PS workers, whose data may end at different steps): the last bucket carries a
+    "still training" flag, summed with the gradients; N is that sum, and a worker whose data has
+    ended keeps joining with no gradients (`drain`) until every worker has ended, so none waits
+    forever and the others average over the workers that still train.
 
-A worker that dies fails the others' next all-reduce (AllReduceError, as in any collective
-job: restart it with --resume); with --dense ps the other workers go on without it.
-Each all-reduce also sums a "still training" flag: a worker whose data has ended keeps
-joining with no gradients (`drain`) until every worker has ended, so none waits forever
-and the others average over the workers that still train.
+In DLRM the top MLP's gradients (most of the dense bytes) are ready first: their all-reduce runs
+while the embedding gradients are exchanged and the bottom MLP's backward runs. Written here rather
+than wrapping the model in DDP: SmartStage captures the model's graph, and DDP's forward hooks would
+sit inside it.
+
+torch.distributed runs it: gloo for CPU parameters, NCCL for CUDA ones. The rendezvous comes from
+MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE (set by torchrun, `deeprec launch` and Kubeflow's
+PyTorchJob), or, for a PS worker under a TFJob, from TF_CONFIG: worker 0's address. A worker that
+dies fails the others' next all-reduce (AllReduceError, as in any collective job: restart it with
+--resume); with --dense ps the PS workers go on without it.
 """
 from __future__ import annotations
 
 import datetime
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +39,7 @@ import torch.distributed as dist
 from deeprec.errors import ConfigError, DeepRecError
 
 RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+BUCKET_BYTES = 512 * 1024  # DDP's default is 25 MiB; a recommendation model's dense part is a few MiB
 
 
 class AllReduceError(DeepRecError):
@@ -108,52 +122,134 @@ def _unflatten(flat: torch.Tensor, into: list[torch.Tensor]) -> None:
 
 
 class DenseAllReduce:
-    """Averages `params`' gradients over the workers each step, in one flat buffer."""
+    """Averages `params`' gradients over the ranks of `group` each step, in buckets of about
+    `bucket_bytes` (None: one bucket of every parameter, in their order). `overlap`: each bucket's
+    all-reduce starts from the backward as soon as its gradients are accumulated. `drain`: workers
+    may stop at different steps (the "still training" flag; see the module's docstring). `advice`:
+    what an AllReduceError tells the user to do."""
 
-    def __init__(self, params: list[torch.Tensor], rendezvous: Rendezvous, timeout_s: float = 300.0):
-        self.params = params
+    def __init__(self, params: list[torch.Tensor], group=None, *, bucket_bytes: int | None = BUCKET_BYTES,
+                 overlap: bool = True, drain: bool = False,
+                 advice: str = "Every worker must run: restart the job with --resume"):
+        self.group, self.overlap, self.flagged, self.advice = group, overlap, drain, advice
+        self.world = dist.get_world_size(group)
+        self.buckets: list[list[torch.Tensor]] = [[]]
+        if bucket_bytes is None:
+            self.buckets = [list(params)]
+        else:
+            for p in reversed(params):  # backward produces gradients roughly in reverse order of definition
+                if self.buckets[-1] and sum(q.numel() * q.element_size() for q in self.buckets[-1]) >= bucket_bytes:
+                    self.buckets.append([])
+                self.buckets[-1].append(p)
+        self.buckets = [b for b in self.buckets if b] or ([[]] if drain else [])  # the flag needs a bucket
         device = params[0].device if params else torch.device("cpu")
-        join_process_group(rendezvous, device, timeout_s)
-        self.world_size = rendezvous.world_size
-        self._flat = torch.zeros(sum(p.numel() for p in params) + 1, device=device)  # + the "training" flag
-        self.active = True
+        sizes = [sum(p.numel() for p in b) for b in self.buckets]
+        if drain:
+            sizes[-1] += 1  # the "still training" flag, at the end of the last bucket
+        self.flats = [torch.zeros(n, device=device) for n in sizes]
+        self.traffic = Traffic()  # seconds: waiting in average_gradients (what the overlap did not hide)
+        self.active = True  # drain: this worker still trains
+        self._reset()
+        if overlap:
+            for index, bucket in enumerate(self.buckets):
+                for p in bucket:
+                    p.register_post_accumulate_grad_hook(lambda p, index=index: self._accumulated(index))
 
-    def broadcast_parameters(self) -> None:
-        """Worker 0's parameter values to every worker (the replicas start equal)."""
-        broadcast_parameters(self.params)
+    @property
+    def numel(self) -> int:
+        """The parameters' elements averaged each step."""
+        return sum(p.numel() for bucket in self.buckets for p in bucket)
+
+    def _reset(self) -> None:
+        self.remaining = [len(b) for b in self.buckets]
+        self.works: list = []  # launched, in bucket order
+
+    def _accumulated(self, index: int) -> None:
+        self.remaining[index] -= 1
+        while len(self.works) < len(self.buckets) and self.remaining[len(self.works)] <= 0:
+            self._launch(len(self.works))
+
+    def _launch(self, index: int) -> None:
+        bucket, flat = self.buckets[index], self.flats[index]
+        flagged = self.flagged and index == len(self.buckets) - 1
+        grads = [(torch.zeros_like(p) if p.grad is None else p.grad.to_dense()).reshape(-1) for p in bucket]
+        if grads:
+            torch.cat(grads, out=flat[:-1] if flagged else flat)
+        if flagged:
+            flat[-1] = 1.0  # this worker still trains
+        self._start(flat)
+
+    def _start(self, flat: torch.Tensor) -> None:
+        try:
+            self.works.append(dist.all_reduce(flat, group=self.group, async_op=True))
+        except (RuntimeError, dist.DistBackendError) as err:
+            raise self._error(err) from None
+        self.traffic.bytes_sent += int(2 * (self.world - 1) / self.world * flat.numel() * flat.element_size())
+
+    def _wait_all(self) -> None:
+        try:
+            for work in self.works:
+                work.wait()
+        except (RuntimeError, dist.DistBackendError) as err:
+            raise self._error(err) from None
+
+    def _error(self, err: Exception) -> AllReduceError:
+        return AllReduceError(f"the all-reduce of the dense gradients failed: another worker is gone ({err}). "
+                              f"{self.advice}")
 
     def average_gradients(self) -> None:
-        """Each parameter's .grad becomes the mean over the workers that still train."""
-        flat = self._flat
-        grads = [torch.zeros_like(p) if p.grad is None else p.grad.to_dense() for p in self.params]
-        torch.cat([g.reshape(-1) for g in grads], out=flat[:-1])
-        flat[-1] = 1.0
-        self._all_reduce(flat)
-        flat[:-1] /= flat[-1]
-        for p, g in zip(self.params, grads):
-            p.grad = g
-        _unflatten(flat[:-1], grads)
+        """Launch what the backward did not (a parameter without gradient, or overlap off), wait for
+        every bucket, and leave each parameter's .grad the mean over the ranks (drain: over the ranks
+        that still train)."""
+        started = time.perf_counter()
+        while len(self.works) < len(self.buckets):
+            self._launch(len(self.works))
+        self._wait_all()
+        count = self.flats[-1][-1] if self.flagged else self.world  # the workers that still train, summed
+        for bucket, flat in zip(self.buckets, self.flats):
+            mean = flat[:-1] if self.flagged and flat is self.flats[-1] else flat
+            mean /= count
+            offset = 0
+            for p in bucket:
+                value = mean[offset:offset + p.numel()].view_as(p)
+                if p.grad is None or p.grad.is_sparse:
+                    p.grad = value.clone()
+                else:
+                    p.grad.copy_(value)
+                offset += p.numel()
+        self.traffic.add(time.perf_counter() - started, 0)
+        self._reset()
+
+    def finite(self) -> bool:
+        """Whether the averaged gradients are all finite (the same answer on every rank)."""
+        for flat in self.flats:
+            if not flat.numel():
+                continue
+            low, high = torch.aminmax(flat)
+            if not (bool(torch.isfinite(low)) and bool(torch.isfinite(high))):
+                return False
+        return True
 
     def drain(self) -> None:
-        """This worker has no more data: join the others' all-reduces until all have ended."""
+        """This worker has no more data (drain=True): join the others' all-reduces, with no gradients,
+        until every worker has ended."""
+        if not self.flagged:
+            raise RuntimeError("drain() needs a DenseAllReduce made with drain=True (the flag it counts)")
         if not self.active:
             return
         self.active = False
         while True:
-            self._flat.zero_()
-            self._all_reduce(self._flat)
-            if float(self._flat[-1]) == 0.0:
+            self._reset()
+            for flat in self.flats:
+                flat.zero_()
+                self._start(flat)
+            self._wait_all()
+            self._reset()
+            if float(self.flats[-1][-1]) == 0.0:
                 return
 
-    def close(self) -> None:
-        self.drain()
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
-    def _all_reduce(self, flat: torch.Tensor) -> None:
-        try:
-            dist.all_reduce(flat)
-        except (RuntimeError, dist.DistBackendError) as err:
-            raise AllReduceError(f"the all-reduce of the dense gradients failed: another worker is gone ({err}). "
-                                 "With --dense allreduce every worker must run (restart the job with --resume); "
-                                 "--dense ps lets the other workers go on") from None
+def leave_process_group() -> None:
+    """Leave torch.distributed's default group (a PS worker joined it for the dense all-reduce)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

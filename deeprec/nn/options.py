@@ -7,7 +7,9 @@ from typing import Callable
 
 import torch
 
-from deeprec.errors import ConfigError, check_choice
+from deeprec.choices import CACHE_POLICIES, STORAGES
+from deeprec.errors import ConfigError
+from deeprec.options import check_fields, option, parse_bytes
 
 
 @dataclass
@@ -86,37 +88,39 @@ class L2WeightEvict:
 
 
 TIERS = (("dram",), ("dram", "ssd"))
-CACHE_POLICIES = ("lfu", "lru")
 
 
 @dataclass
 class StorageOption:
-    """Where an EmbeddingVariable's rows live (DeepRec's StorageOption / CacheStrategy).
+    """Where EmbeddingVariable rows live (DeepRec's StorageOption / CacheStrategy): all in DRAM, or a
+    DRAM cache over a disk tier. Also the `storage` section of `deeprec train` and the flags of a PS
+    shard (`python -m deeprec.distributed.ps --storage ssd --dram-bytes N`)."""
 
-    tiers: ["dram"] (everything in memory), or ["dram", "ssd"]: at most `dram_bytes` of rows
-    (values, optimizer slots, bookkeeping) in a DRAM cache, the others in a row file under
-    `path` (default: the system's temporary directory). cache: which rows leave DRAM when it
-    is full, the least frequently ("lfu") or least recently ("lru") used. prefetch: under
-    SmartStage, move the next batch's rows into DRAM while the current batch trains.
-    protect_steps: rows used by the last this many lookups are never evicted (their update
-    may still be in flight)."""
-
-    tiers: list[str] = field(default_factory=lambda: ["dram"])
-    dram_bytes: int | None = None
-    path: str | None = None
-    cache: str = "lfu"
-    prefetch: bool = True
-    protect_steps: int = 4
+    tiers: list[str] = option(factory=lambda: ["dram"], flag="--storage", choices=STORAGES, nargs=None,
+                              parse=lambda v: ["dram", "ssd"] if v == "ssd" else ["dram"])
+    """where EmbeddingVariable rows live: all in DRAM, or at most --dram-bytes of them in a DRAM cache over a
+    disk tier in --storage-path (training: a model's EmbeddingVariables; zoo models: --embedding variable)"""
+    dram_bytes: int | None = option(None, ge=1, parse=parse_bytes, metavar="BYTES")
+    """--storage ssd: bytes of rows (values, optimizer slots) kept in DRAM (4096, 512M, 2G, 512MiB); in
+    training shared evenly by the model's EmbeddingVariables, on a PS shard each variable's"""
+    path: str | None = option(None, flag="--storage-path")
+    """--storage ssd: folder of the disk tier (default: the temp folder)"""
+    cache: str = option("lfu", choices=CACHE_POLICIES)
+    """--storage ssd: rows that leave DRAM first, least frequently or recently used"""
+    prefetch: bool = option(True, flag="--storage-prefetch")
+    """--storage ssd with SmartStage: the stage moves the next batch's rows from disk into DRAM while the
+    current batch trains"""
+    protect_steps: int = option(4, cli=False, ge=1)
+    """rows used by the last this many lookups are never evicted (their update may still be in flight)"""
 
     def __post_init__(self):
+        check_fields(self, ("storage",))
         if tuple(self.tiers) not in TIERS:
-            raise ConfigError(f"StorageOption.tiers={self.tiers!r} is not allowed; choose one of "
+            raise ConfigError(f"--storage (StorageOption.tiers={self.tiers!r}) is not allowed; choose one of "
                               f"{', '.join(str(list(t)) for t in TIERS)}")
-        check_choice("StorageOption.cache", self.cache, CACHE_POLICIES)
-        if self.tiered and (not isinstance(self.dram_bytes, int) or self.dram_bytes <= 0):
-            raise ConfigError(f"StorageOption.dram_bytes must be a positive int with an ssd tier, got {self.dram_bytes!r}")
-        if not isinstance(self.protect_steps, int) or self.protect_steps < 1:
-            raise ConfigError(f"StorageOption.protect_steps must be an int >= 1, got {self.protect_steps!r}")
+        if self.tiered and self.dram_bytes is None:
+            raise ConfigError("--storage ssd needs --dram-bytes (StorageOption.dram_bytes): the DRAM cache's "
+                              "budget, e.g. --dram-bytes 512M")
 
     @property
     def tiered(self) -> bool:

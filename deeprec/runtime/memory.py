@@ -9,7 +9,7 @@ page zeroing) again. `tune_malloc()` raises both thresholds with mallopt (what t
 MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ / MALLOC_TOP_PAD_ environment variables set at
 startup) and caps the arenas. Measured by bench/e2e.py: DLRM's minor page faults per step
 halve (47 -> 25), samples/s +3.5% (median of 4 interleaved runs) — under the 5% that would
-make it the default, so it is opt-in: `deeprec train --malloc-tuning`, `TrainConfig(malloc_tuning=True)`.
+make it the default, so it is opt-in: `deeprec train --malloc-tuning`, `TrainConfig.create(malloc_tuning=True)`.
 """
 from __future__ import annotations
 

@@ -8,6 +8,8 @@ process, on parameter servers and collectively, so the trainer names no mode.
                                          prepare(model, cfg, dev) lookup swaps, placement -> Updater
     readers ───────────────────────────> train_shards / eval_shards (this process's share)
     checkpoints ───────────────────────> checkpoint_dir(base), restore(base, ...)
+    deeprec evaluate / export ─────────> read_one_process(saved), one_process_weights(model, state):
+      (deeprec.strategies asks each)     a checkpoint of this way of training as a one-process model
     evaluation ────────────────────────> evaluate(model, batches) (distributed or not)
     serving exports while training ────> export_writer(...)
     the run's summary ─────────────────> summary()                (traffic, tier stats)
@@ -19,12 +21,14 @@ what they share (the checkpoint chain, one-process evaluation); a subclass fills
 from __future__ import annotations
 
 import abc
+import functools
+import os
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from deeprec.checkpoint import checkpoint_step, list_checkpoints, load_checkpoint
+from deeprec.checkpoint import checkpoint_step, latest_checkpoint, list_checkpoints, load_checkpoint
 from deeprec.errors import CheckpointError, ConfigError
 from deeprec.runtime.updater import LocalUpdater, Updater
 
@@ -38,6 +42,35 @@ class Restored:
     skipped: list = field(default_factory=list)
     reader: dict | None = None
     note: str | None = None
+
+
+class SavedCheckpoint:
+    """What `deeprec evaluate --checkpoint` and `deeprec export --checkpoint` name: a checkpoint file,
+    or a folder. `path`: the file, or the folder's newest full checkpoint (None: none at its top);
+    `state`: that file's, loaded when first asked (several strategies look at it) and only once."""
+
+    def __init__(self, location: str):
+        self.location = location
+        self.path = location if os.path.isfile(location) else latest_checkpoint(location)
+
+    @functools.cached_property
+    def state(self) -> dict | None:
+        return None if self.path is None else load_checkpoint(self.path)
+
+
+@dataclass
+class OneProcessCheckpoint:
+    """A checkpoint read as one process's model: its state (model_name, model_overrides, schema and
+    step, as every checkpoint holds them), where it came from (a line for the user), and the
+    strategy whose `one_process_weights` turn it into the one-process model's state dict."""
+
+    state: dict
+    source: str
+    strategy: type[Strategy]
+
+    def weights(self, model: nn.Module) -> dict:
+        """The state dict of `model`, built as the checkpoint names it (one process, no swaps)."""
+        return self.strategy.one_process_weights(model, self.state)
 
 
 class Strategy(abc.ABC):
@@ -108,6 +141,20 @@ class Strategy(abc.ABC):
         found.reader = found.states[-1][1]["reader"] if found.states else None
         return found
 
+    @classmethod
+    def read_one_process(cls, saved: SavedCheckpoint) -> OneProcessCheckpoint | None:
+        """`saved` as a one-process model's checkpoint if this way of training wrote it, else None.
+        Here: one process's checkpoint file (what `restore` reads first, from `checkpoint_dir`)."""
+        if saved.state is None:
+            return None
+        return OneProcessCheckpoint(saved.state, saved.path, cls)
+
+    @classmethod
+    def one_process_weights(cls, model: nn.Module, state: dict) -> dict:
+        """The state dict of the one-process `model` (built as `state` names it, before any swap) from
+        a checkpoint `read_one_process` found."""
+        return state["model"]
+
     # -- evaluation, exports, summary ---------------------------------------------------
     def evaluate(self, model: nn.Module, batches) -> dict:
         from deeprec.metrics import evaluate
@@ -136,9 +183,9 @@ class LocalStrategy(Strategy):
         from deeprec.optim import make_optimizer
         from deeprec.runtime.device import place_model
 
-        updater = LocalUpdater(model, make_optimizer(model, cfg.optimizer, cfg.lr))
+        updater = LocalUpdater(model, make_optimizer(model, cfg.optimizer.name, cfg.optimizer.lr))
         self.host_tables = place_model(model, device)  # after the optimizer: its slots move with the tables
         return updater
 
 
-__all__ = ["Strategy", "LocalStrategy", "Restored"]
+__all__ = ["Strategy", "LocalStrategy", "Restored", "SavedCheckpoint", "OneProcessCheckpoint"]

@@ -234,27 +234,16 @@ def shard_embeddings(model: nn.Module, group=None) -> int:
     return swapped
 
 
-@torch.no_grad()
 def evaluate_sharded(model: nn.Module, reader) -> dict:
-    """deeprec.metrics.evaluate on every rank at once, each over its share of the evaluation data.
+    """deeprec.metrics' evaluation loop on every rank at once, each over its share of the evaluation
+    data.
 
     The ranks step together (each forward exchanges ids with the others): a rank whose share has
     ended runs its last batch again, uncounted, until every share has ended. The metrics'
     histograms and sums are then added up over the ranks, so every rank returns the whole."""
-    from deeprec.metrics import Evaluation
+    from deeprec.metrics import run_evaluation
 
-    evaluation, last = Evaluation(model), None
-    was_training = model.training
-    model.eval()
-    try:
-        for batch in _lockstep(reader):
-            if batch is None:
-                model(last)  # answers the other ranks' lookups
-                continue
-            evaluation.update(batch, model(batch)["logits"])
-            last = batch
-    finally:
-        model.train(was_training)
+    evaluation = run_evaluation(model, _lockstep(reader), progress=False)
     evaluation.all_reduce(device=_default_group_device())
     return evaluation.result()
 
@@ -265,9 +254,12 @@ def _default_group_device() -> torch.device:
 
 
 def _lockstep(reader):
-    """This rank's batches, then None while another rank still has batches."""
+    """This rank's batches, then its last one again, uncounted (deeprec.metrics.Uncounted), while
+    another rank still has batches."""
+    from deeprec.metrics import Uncounted
+
     batches = iter(reader)
-    started = False
+    started, last = False, None
     while True:
         batch = next(batches, None)
         state = torch.tensor([batch is not None, batch is None and not started], dtype=torch.int64,
@@ -279,13 +271,17 @@ def _lockstep(reader):
         if not int(state[0]):
             return
         started = True
-        yield batch
+        if batch is None:
+            yield Uncounted(last)  # answers the other ranks' lookups
+        else:
+            yield batch
+            last = batch
 
 
 class CollectiveUpdater(LocalUpdater):
     """The trainer's updater under torchrun (`torchrun --nproc-per-node N -m deeprec train ...`):
     embeddings sharded by all-to-all, dense gradients averaged by bucketed all-reduces launched
-    during the backward (deeprec.distributed.collective.buckets), then one step of everything.
+    during the backward (deeprec.distributed.allreduce.DenseAllReduce), then one step of everything.
 
     The owners keep their rows' gradients until `apply` (ShardedLookup.fused False): a step whose
     averaged dense gradients are not finite (any rank's inf or nan spreads into the mean, so every
@@ -293,8 +289,8 @@ class CollectiveUpdater(LocalUpdater):
 
     def __init__(self, model: nn.Module, optimizer: str, lr: float, rank: int, world_size: int,
                  device: torch.device = torch.device("cpu"), overlap: bool = True):
-        from deeprec.distributed.allreduce import broadcast_parameters, join_process_group, rendezvous_from_env
-        from deeprec.distributed.collective.buckets import BucketedAllReduce
+        from deeprec.distributed.allreduce import (DenseAllReduce, broadcast_parameters, join_process_group,
+                                                  rendezvous_from_env)
         from deeprec.optim import make_optimizer
         from deeprec.runtime.device import move_dense, place_tables
 
@@ -304,7 +300,7 @@ class CollectiveUpdater(LocalUpdater):
         dense = [p for p in model.parameters() if p.requires_grad]
         join_process_group(rendezvous_from_env(rank, world_size), device)
         broadcast_parameters(dense)  # the replicas start equal
-        self.reducer = BucketedAllReduce(dense, overlap=overlap)
+        self.reducer = DenseAllReduce(dense, overlap=overlap)
         if not shard_embeddings(model):  # on the host: a rank moves only its shard to the GPU
             raise ConfigError("collective training shards the model's EmbeddingCollections: this model has none "
                               "(--embedding torch keeps nn.Embedding tables: give --embedding variable or fused)")
@@ -314,13 +310,13 @@ class CollectiveUpdater(LocalUpdater):
         self.host_tables = place_tables(model, device)
 
     def apply(self) -> None:
-        self.reducer.wait()
+        self.reducer.average_gradients()
         if not self.reducer.finite():
             self._drop("dense gradient (averaged over the ranks)")
         super().apply()
 
     def discard(self) -> None:
-        self.reducer.wait()  # the other ranks' all-reduces need this rank's part
+        self.reducer.average_gradients()  # the other ranks' all-reduces need this rank's part
         self._drop("loss or gradient on this rank")
 
     def _drop(self, what: str) -> None:
@@ -340,7 +336,7 @@ class CollectiveUpdater(LocalUpdater):
                 "all_to_all_calls": sum(t.calls for t in lookups) / steps,
                 "all_reduce_ms": 1e3 * reduce.traffic.seconds / steps,  # waited for in apply: not hidden
                 "all_reduce_bytes": reduce.traffic.bytes_sent / steps,
-                "dense_parameters": sum(f.numel() for f in reduce.flats)}
+                "dense_parameters": reduce.numel}
 
 
 __all__ = ["ShardedLookup", "shard_embeddings", "evaluate_sharded", "CollectiveUpdater"]

@@ -1,16 +1,19 @@
 """Collective training (a torchrun rank) as a `Strategy` (deeprec.runtime.strategy).
 
     rank r of N ──reads its share──> CollectiveUpdater: EmbeddingCollections sharded by all-to-all,
-    dense gradients all-reduced; checkpoints per rank (rank-r-of-N/), resharded onto another N;
+    dense gradients all-reduced; checkpoints per rank (rank-r-of-N/), resharded onto another N (onto
+    one process: read_one_process, for deeprec evaluate and export);
     evaluation: every rank its share of the evaluation data, in lockstep, metrics all-reduced
 """
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
 
 from deeprec.errors import ConfigError
-from deeprec.runtime.strategy import Restored, Strategy
+from deeprec.runtime.strategy import OneProcessCheckpoint, Restored, Strategy
 
 
 class Collective(Strategy):
@@ -24,26 +27,26 @@ class Collective(Strategy):
         return True  # every rank evaluates its share
 
     def validate(self, cfg) -> None:
-        if cfg.embedding == "torch":
+        if cfg.model.embedding == "torch":
             raise ConfigError("collective training (torchrun) shards EmbeddingCollections: --embedding torch "
                               "(nn.Embedding) is not sharded; give --embedding table or variable")
-        if cfg.steps is None:
+        if cfg.training.steps is None:
             raise ConfigError("collective training (torchrun) needs --steps: every rank must take the same "
                               "number of steps (each exchanges ids with the others)")
-        if cfg.incremental_every:
+        if cfg.checkpoint.incremental_every:
             raise ConfigError("incremental checkpoints of collective training are not implemented: drop "
                               "--incremental-every (full checkpoints with --checkpoint-every work)")
-        if cfg.on_nan == "skip":
+        if cfg.training.on_nan == "skip":
             raise ConfigError("on_nan='skip' is not supported with collective training (torchrun): every rank "
                               "takes every step together; a non-finite step stops every rank (use on_nan='raise')")
         if cfg.optimize.async_embedding:
             raise ConfigError("async_embedding is not supported with collective training (torchrun): the id "
                               "exchange is a collective every rank runs in the same order inside the step, not "
                               "ahead of it in SmartStage; drop --async-embedding (SmartStage and --micro-batch work)")
-        if cfg.export_dir:
+        if cfg.export.dir:
             raise ConfigError("serving exports of collective training (torchrun) are not implemented: drop "
                               "--export-dir and export the checkpoint folder with deeprec export")
-        if cfg.eval_fraction:
+        if cfg.data.eval_fraction:
             raise ConfigError("a rank reads its share of --data and cannot also hold out --eval-fraction: give "
                               "--eval-data (every rank evaluates its share)")
 
@@ -60,7 +63,7 @@ class Collective(Strategy):
                               "is a free EmbeddingVariable, which is not sharded: put it in a dr.EmbeddingCollection "
                               "(EmbeddingFeature(name, num_embeddings=None)), or train it on parameter servers "
                               "(deeprec launch --ps 1 --workers N)")
-        updater = CollectiveUpdater(model, cfg.optimizer, cfg.lr, self.rank, self.world_size, device,
+        updater = CollectiveUpdater(model, cfg.optimizer.name, cfg.optimizer.lr, self.rank, self.world_size, device,
                                     overlap=cfg.optimize.micro_batch_num == 1)  # micro-batches: after the last
         self.host_tables = updater.host_tables
         import torch.distributed as dist
@@ -103,6 +106,29 @@ class Collective(Strategy):
             restored.note = (f"resharded {len(paths)} ranks' checkpoints onto {self.world_size} ranks; the readers "
                              f"restart at the start of epoch {restored.reader['epoch']}")
         return restored
+
+    @classmethod
+    def read_one_process(cls, saved):
+        """A collective job's folder (rank-R-of-N subfolders, no checkpoint at its top): the newest
+        step all ranks of one world size saved, every rank's shards merged, as `restore` reads it
+        onto one rank."""
+        from deeprec.distributed.collective.reshard import restore_collective
+
+        if saved.path is not None or not os.path.isdir(saved.location):
+            return None
+        found = restore_collective(saved.location, 0, 1)
+        if found is None:
+            return None
+        state, paths, _, _ = found
+        return OneProcessCheckpoint(state, f"{saved.location} ({len(paths)} ranks' {os.path.basename(paths[0])}, "
+                                           "merged)", cls)
+
+    @classmethod
+    def one_process_weights(cls, model: nn.Module, state: dict) -> dict:
+        """Each fixed table's rows, saved per rank, back into its one weight (reshard.one_process_state)."""
+        from deeprec.distributed.collective.reshard import one_process_state
+
+        return one_process_state(model, state["model"])
 
     def evaluate(self, model: nn.Module, batches) -> dict:
         from deeprec.distributed.collective.sharded import evaluate_sharded

@@ -1,4 +1,4 @@
-"""Who may talk to a PS: a shared token on every call, and TLS.
+"""Who may talk to a PS: a shared token on every call (deeprec.security reads it), and TLS.
 
     token   DEEPREC_PS_TOKEN (or a --token-file) on the PS and its workers; every call
             carries it as gRPC metadata and the PS compares it in constant time: a call
@@ -18,27 +18,7 @@ import grpc
 
 from deeprec.errors import ConfigError
 
-TOKEN_ENV = "DEEPREC_PS_TOKEN"
 METADATA_KEY = "deeprec-token"
-
-
-def read_token(token_file: str | None = None) -> str | None:
-    """The job's token: the file's first line, else DEEPREC_PS_TOKEN, else None."""
-    if token_file:
-        try:
-            with open(token_file) as f:
-                token = f.readline().strip()
-        except OSError as err:
-            raise ConfigError(f"cannot read the token file {token_file!r}: {err.strerror}") from None
-        if not token:
-            raise ConfigError(f"the token file {token_file!r} is empty")
-        return token
-    return os.environ.get(TOKEN_ENV) or None
-
-
-def is_loopback(bind: str) -> bool:
-    host = bind.rpartition(":")[0].strip("[]")
-    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
 
 
 class TokenInterceptor(grpc.ServerInterceptor):

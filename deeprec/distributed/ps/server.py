@@ -1,7 +1,7 @@
 """`dr.distributed.Server(cluster, job_name, task_index, protocol)`, like `tf.train.Server`."""
 from __future__ import annotations
 
-from deeprec.distributed.ps import security
+from deeprec.security import read_token
 from deeprec.distributed.ps.client import PROTOCOLS
 from deeprec.distributed.cluster import ClusterSpec, ps_addresses, read_endpoint_map
 from deeprec.errors import ConfigError, check_choice
@@ -38,7 +38,7 @@ class Server:
 
         workers = sum(self.cluster.num_tasks(j) for j in ("worker", "chief") if j in self.cluster.jobs)
         self._server, self.port = serve(self.bind_address, self.task_index, self.cluster.num_tasks("ps"),
-                                        connections=workers or 8, token=security.read_token())
+                                        connections=workers or 8, token=read_token())
 
     @property
     def target(self) -> str:

@@ -14,24 +14,36 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import logging
 import sys
+import tempfile
 import threading
 
 import grpc
 import torch
 
 from deeprec.distributed.ps import security
+from deeprec.security import TOKEN_ENV, is_loopback, read_token
 from deeprec.distributed.ps.tuning import core_number, pin_cores, pin_current_thread
-from deeprec.distributed.ps.state import MAX_DIM, MAX_WAIT_S, ResourceExhausted, ShardState, int_field
+from deeprec.distributed.ps.state import (MAX_DIM, MAX_MESSAGE, MAX_REPLY, MAX_WAIT_S, MIN_REPLY,
+                                          ResourceExhausted, ShardState, int_field)
 from deeprec.distributed.ps.wire import WireError, pack, unpack
 from deeprec.errors import ConfigError
+from deeprec.nn.disk_rows import check_tier_folder
 from deeprec.nn.options import StorageOption
+from deeprec.options import add_arguments, build, given
 from deeprec.runtime.memory import tune_malloc
 
+log = logging.getLogger("deeprec.ps")
 SERVICE = "deeprec.PS"
 METHODS = ("Register", "Pull", "Push", "PushPull", "Export", "Load", "Health")
-MAX_MESSAGE = 1 << 30  # gRPC's default cap is 4 MB: a batch-4096 pull is larger
+# MAX_MESSAGE (1 GiB): gRPC's default cap is 4 MB, and a batch-4096 pull is larger. A training Pull's
+# reply must fit it; an evaluation Pull's is cut at --max-reply-bytes and the client asks for the rest.
 GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
+
+
+class _DeadlineExceeded(Exception):
+    """A sync pull's step was not applied in time: DEADLINE_EXCEEDED."""
 
 
 class PSServicer:
@@ -54,9 +66,8 @@ class PSServicer:
             timeout = MAX_WAIT_S if remaining is None else min(remaining, MAX_WAIT_S)
             with self.applied:
                 if not self.applied.wait_for(lambda: self.state.applied_step >= after, timeout=timeout):
-                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                  f"PS {self.state.shard_index}: step {after} was not applied within "
-                                  f"{timeout:.0f}s (a sync worker is missing?)")
+                    raise _DeadlineExceeded(f"step {after} was not applied within {timeout:.0f}s "
+                                            "(a sync worker is missing?)")
         finally:
             self.waiters.release()
 
@@ -78,20 +89,32 @@ class PSServicer:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"PS {self.state.shard_index}: {err}")
         except WireError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"PS {self.state.shard_index}: {err}")
+        except _DeadlineExceeded as err:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"PS {self.state.shard_index}: {err}")
+        except MemoryError:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"PS {self.state.shard_index}: {method}: out of memory")
+        except Exception as err:  # every bad input is a WireError: anything else is a bug, said as such
+            log.exception("PS %d: %s failed", self.state.shard_index, method)
+            context.abort(grpc.StatusCode.INTERNAL, f"PS {self.state.shard_index}: a bug in deeprec: {method} "
+                                                    f"raised {type(err).__name__}: {err}")
 
     def _run(self, method: str, header: dict, tensors: dict):
         s = self.state
         if method == "Register":
             return s.register(header, tensors)
         if method == "Pull":
-            return {}, s.pull(header, tensors)
+            return s.pull_reply(header, tensors)
         if method == "Push":
             s.push(header, tensors)
             return {}, {}
         if method == "PushPull":  # star_server_lite: step t's push and step t+1's pull
             push, pull = _section(header, "push"), _section(header, "pull")
+            plan = s.pull_plan(pull, tensors, "pull.")  # checked before the push changes anything
+            if plan[3]:
+                raise ResourceExhausted(f"PushPull: the pull's reply would pass {s.max_reply:,} bytes "
+                                        "(--max-reply-bytes): evaluate with Pull, whose reply comes in chunks")
             s.push(push, tensors, "push.")
-            return {}, s.pull(pull, tensors, "pull.")
+            return s.pull_run(plan)
         if method == "Export":
             after = header.get("after_version")
             if after is not None and not (isinstance(after, dict) and all(
@@ -118,21 +141,23 @@ def _section(header: dict, key: str) -> dict:
 
 def serve(bind: str, shard_index: int, num_shards: int, threads: int | None = None,
           connections: int = 8, max_memory: int | None = None, max_dim: int = MAX_DIM, token: str | None = None,
-          credentials=None, insecure: bool = False, storage: StorageOption | None = None) -> tuple[grpc.Server, int]:
+          credentials=None, insecure: bool = False, storage: StorageOption | None = None,
+          max_reply: int = MAX_REPLY) -> tuple[grpc.Server, int]:
     """Start a PS shard listening on `bind` ("host:port", port 0 = any); returns (server, port).
     `threads`: gRPC handler threads (default NETWORK_PS_CORE_NUMBER, else min(8, connections)).
     `token`: every call must carry it (deeprec.distributed.ps.security); a non-loopback `bind`
     without one is refused unless `insecure`. `credentials`: gRPC SSL server credentials."""
-    if not token and not insecure and not security.is_loopback(bind):
+    if not token and not insecure and not is_loopback(bind):
         raise ConfigError(f"the PS would listen on {bind} with no token: anyone who reaches it could read and "
-                          f"change the model. Set {security.TOKEN_ENV} (or --token-file), or pass --insecure")
+                          f"change the model. Set {TOKEN_ENV} (or --token-file), or pass --insecure")
     threads = threads or core_number("NETWORK_PS_CORE_NUMBER", connections, 8)
     cores = pin_cores("PS", threads, shard_index)  # PS_DISABLE_PIN_CORES=False
     pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="deeprec-ps-grpc",
                                                  initializer=pin_current_thread, initargs=(cores,))
     interceptors = (security.TokenInterceptor(token),) if token else ()
     server = grpc.server(pool, options=GRPC_OPTIONS, interceptors=interceptors)
-    state = ShardState(shard_index, num_shards, max_memory=max_memory, max_dim=max_dim, storage=storage)
+    state = ShardState(shard_index, num_shards, max_memory=max_memory, max_dim=max_dim, storage=storage,
+                       max_reply=max_reply)
     server.add_generic_rpc_handlers((PSServicer(state, threads).handler(),))
     port = server.add_secure_port(bind, credentials) if credentials is not None else server.add_insecure_port(bind)
     if port == 0:
@@ -145,7 +170,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="run one parameter-server shard")
     parser.add_argument("--bind", help="host:port to listen on (default: loopback, on TF_CONFIG's port for this "
                                        "task, else any free port)")
-    parser.add_argument("--token-file", help=f"the job's token (default: ${security.TOKEN_ENV})")
+    parser.add_argument("--token-file", help=f"the job's token (default: ${TOKEN_ENV})")
     parser.add_argument("--insecure", action="store_true", help="allow a non-loopback --bind without a token")
     parser.add_argument("--tls-cert", help="PEM certificate chain: serve over TLS")
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
@@ -158,18 +183,21 @@ def main(argv=None) -> int:
                         help="memory budget of the shard's variables (default: 80%% of RAM); past it, "
                              "Register and inserting pulls get RESOURCE_EXHAUSTED")
     parser.add_argument("--max-dim", type=int, default=MAX_DIM, help="largest embedding dim a Register may ask for")
-    parser.add_argument("--storage", choices=("dram", "ssd"), default="dram",
-                        help="where embedding rows live: all in DRAM, or at most --dram-bytes of each variable's "
-                             "rows in DRAM and the rest in a disk tier under --storage-path")
-    parser.add_argument("--dram-bytes", type=int, help="--storage ssd: DRAM budget of each embedding variable")
-    parser.add_argument("--storage-path", help="--storage ssd: folder of the disk tier (default: the temp folder)")
-    parser.add_argument("--cache", choices=("lfu", "lru"), default="lfu",
-                        help="--storage ssd: rows that leave DRAM first")
+    parser.add_argument("--max-reply-bytes", type=int, default=MAX_REPLY, metavar="BYTES",
+                        help=f"largest reply to an evaluation Pull (default {MAX_REPLY >> 20} MiB, at least "
+                             f"{MIN_REPLY >> 10} KiB): a larger one is answered in chunks, which the client asks "
+                             "for in turn. Keep it under the clients' receive cap (deeprec's: 1 GiB; gRPC's "
+                             "default: 4 MB)")
+    add_arguments(parser.add_argument_group("storage", "where the shard's embedding rows live"), StorageOption,
+                  ("storage",), exclude=("prefetch",))  # the flags of deeprec train's storage section
     parser.add_argument("--no-malloc-tuning", action="store_true",
                         help="keep glibc malloc's defaults (by default the PS keeps freed memory mapped: each "
                              "call's megabyte-sized messages then reuse pages instead of faulting fresh ones in; "
                              "measured 8.7 -> 6.6 ms of PS CPU per step with dense on the PS)")
     args = parser.parse_args(argv)
+    if args.max_reply_bytes < MIN_REPLY:
+        parser.error(f"--max-reply-bytes must be at least {MIN_REPLY} (a row of --max-dim {MAX_DIM} fits), "
+                     f"got {args.max_reply_bytes}")
     try:
         return _run_shard(args)
     except ConfigError as err:
@@ -189,16 +217,15 @@ def _run_shard(args) -> int:
     args.shard = 0 if args.shard is None else args.shard
     args.num_shards = 1 if args.num_shards is None else args.num_shards
     torch.set_num_threads(1)
-    storage = None
-    if args.storage == "ssd":
-        storage = StorageOption(tiers=["dram", "ssd"], dram_bytes=args.dram_bytes, path=args.storage_path,
-                                cache=args.cache)
+    storage = build(StorageOption, given(args, StorageOption, ("storage",)))
+    if storage.tiered:  # a bad --storage-path fails at start, not at the first Register
+        check_tier_folder(storage.path or tempfile.gettempdir())
     if not args.no_malloc_tuning:
         tune_malloc()
     server, port = serve(args.bind, args.shard, args.num_shards, args.threads, connections=args.workers or 8,
-                         max_memory=args.max_memory, max_dim=args.max_dim, token=security.read_token(args.token_file),
+                         max_memory=args.max_memory, max_dim=args.max_dim, token=read_token(args.token_file),
                          credentials=security.server_credentials(args.tls_cert, args.tls_key, args.tls_ca),
-                         insecure=args.insecure, storage=storage)
+                         insecure=args.insecure, storage=storage, max_reply=args.max_reply_bytes)
     host = args.bind.rpartition(":")[0]
     print(f"deeprec PS {args.shard}/{args.num_shards} listening on {host}:{port}", flush=True)
     try:

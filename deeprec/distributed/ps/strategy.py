@@ -6,8 +6,8 @@
     exports while training: the chief keeps a one-process twin of the model; each export copies the
     dense weights into it and pulls the rows the PSs updated since the last export
 
-A PS checkpoint reads back as a one-process model (`one_process_state`), so `deeprec evaluate`
-and `deeprec export` take it like any other.
+A PS checkpoint reads back as a one-process model (`ParameterServer.read_one_process`, then
+`one_process_state`), so `deeprec evaluate` and `deeprec export` take it like any other.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from deeprec.errors import ConfigError
-from deeprec.runtime.strategy import Strategy
+from deeprec.runtime.strategy import OneProcessCheckpoint, Strategy
 
 
 class ParameterServer(Strategy):
@@ -31,22 +31,22 @@ class ParameterServer(Strategy):
         self.rank, self.world_size = worker_index, num_workers
 
     def validate(self, cfg) -> None:
-        if cfg.incremental_every:
+        if cfg.checkpoint.incremental_every:
             raise ConfigError("incremental checkpoints of parameter-server training are not implemented: drop "
                               "--incremental-every (full checkpoints with --checkpoint-every work)")
-        if cfg.embedding not in (None, "variable"):
+        if cfg.model.embedding not in (None, "variable"):
             raise ConfigError("parameter-server training keeps embeddings as EmbeddingVariables: "
-                              f"--embedding {cfg.embedding} is not supported there; drop it or give variable")
-        if cfg.device != "cpu":
+                              f"--embedding {cfg.model.embedding} is not supported there; drop it or give variable")
+        if cfg.training.device != "cpu":
             raise ConfigError("parameter-server training runs on the CPU here: --device cuda/auto is for local and "
                               "collective (torchrun) training")
-        if cfg.storage != "dram":
+        if cfg.storage.tiered:
             raise ConfigError("--storage ssd tiers EmbeddingVariables of local training; a PS shard tiers its rows "
                               "itself: python -m deeprec.distributed.ps --storage ssd --dram-bytes N")
-        if cfg.optimize.async_embedding and cfg.sync:
+        if cfg.optimize.async_embedding and cfg.distributed.sync:
             raise ConfigError("sync training reads each step's rows after the previous update; async_embedding "
                               "reads them earlier: choose one")
-        if self.world_size > 1 and cfg.eval_fraction:
+        if self.world_size > 1 and cfg.data.eval_fraction:
             raise ConfigError("a worker of several reads its share of --data and cannot also hold out "
                               "--eval-fraction: give --eval-data (the chief evaluates it)")
 
@@ -57,16 +57,33 @@ class ParameterServer(Strategy):
         from deeprec.distributed.ps.client import PSClient
         from deeprec.distributed.ps.worker import PSUpdater
 
-        self.twin = copy.deepcopy(model) if cfg.export_dir and self.is_chief else None  # before the swap
+        self.twin = copy.deepcopy(model) if cfg.export.dir and self.is_chief else None  # before the swap
         self.host_tables = []
-        return PSUpdater(model, PSClient(self.ps_addresses, cfg.protocol), cfg.optimizer, cfg.lr,
-                         sync_workers=self.world_size if cfg.sync else 1, worker_index=self.rank,
-                         num_workers=self.world_size, dense=cfg.dense, master=self.master)
+        return PSUpdater(model, PSClient(self.ps_addresses, cfg.distributed.protocol), cfg.optimizer.name, cfg.optimizer.lr,
+                         sync_workers=self.world_size if cfg.distributed.sync else 1, worker_index=self.rank,
+                         num_workers=self.world_size, dense=cfg.distributed.dense, master=self.master)
 
     def checkpoint_dir(self, base: str) -> str:
         import os
 
         return base if self.is_chief else os.path.join(base, f"worker-{self.rank}")
+
+    @classmethod
+    def read_one_process(cls, saved):
+        """A PS job's checkpoint: the chief's, at the top of the job's folder, holds the dense model and
+        every PS's rows. A worker's own (in worker-<i>/, older ones with only its reader position) is
+        refused, naming the folder to give instead."""
+        state = saved.state
+        if state is None or ("ps" not in state and "model" in state):
+            return None  # not a PS job's
+        if "ps" not in state:
+            raise ConfigError(f"{saved.path} is a parameter-server worker's checkpoint (its reader position): give "
+                              "the job's checkpoint folder, whose top level holds the chief's")
+        return OneProcessCheckpoint(state, f"{saved.path} (parameter-server job: the PSs' rows merged)", cls)
+
+    @classmethod
+    def one_process_weights(cls, model: nn.Module, state: dict) -> dict:
+        return one_process_state(model, state)
 
     def export_writer(self, directory: str, model: nn.Module, schema, spec: str, updater):
         from deeprec.serving.online import ExportWriter

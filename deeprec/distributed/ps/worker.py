@@ -20,7 +20,8 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from deeprec.distributed.allreduce import DenseAllReduce, rendezvous_from_env
+from deeprec.distributed.allreduce import (DenseAllReduce, broadcast_parameters, join_process_group,
+                                          leave_process_group, rendezvous_from_env)
 from deeprec.distributed.ps.client import DENSE_MODES, PSClient
 from deeprec.errors import ConfigError, check_choice
 from deeprec.nn.collection import EmbeddingCollection, FusedLookup
@@ -28,6 +29,10 @@ from deeprec.nn.variable import EmbeddingVariable
 from deeprec.nn.lookup import EmbeddingLookup, RowGather, assemble
 from deeprec.optim.dense import OptimizerGroup, torch_optimizers
 from deeprec.nn.lookup import merge_rows
+
+
+ALLREDUCE_ADVICE = ("With --dense allreduce every worker must run (restart the job with --resume); --dense ps lets "
+                    "the other workers go on")
 
 
 class DeferredPush:
@@ -218,9 +223,13 @@ class PSUpdater:
         if dense == "allreduce":
             self.optimizer = OptimizerGroup(torch_optimizers(model, optimizer, lr))
             if num_workers > 1:
-                self.allreduce = DenseAllReduce(list(self.dense.values()),
-                                                rendezvous_from_env(worker_index, num_workers, master))
-                self.allreduce.broadcast_parameters()
+                dense_params = list(self.dense.values())
+                join_process_group(rendezvous_from_env(worker_index, num_workers, master),
+                                   dense_params[0].device if dense_params else torch.device("cpu"))
+                broadcast_parameters(dense_params)  # the replicas start equal
+                # one bucket after the backward; the workers still training count (their data may end first)
+                self.allreduce = DenseAllReduce(dense_params, bucket_bytes=None, overlap=False, drain=True,
+                                                advice=ALLREDUCE_ADVICE)
         client.wait_ready()
         client.register(embeddings, {} if dense == "allreduce" else {n: p.detach() for n, p in self.dense.items()},
                         optimizer, lr, defaults)
@@ -286,7 +295,8 @@ class PSUpdater:
         workers' all-reduces until they have ended too."""
         self._flush()
         if self.allreduce is not None:
-            self.allreduce.close()
+            self.allreduce.drain()
+            leave_process_group()
             self.allreduce = None
 
     def prepare_eval(self) -> None:
