@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from deeprec.distributed.collective.deadline import guard
 from deeprec.errors import ConfigError, DeepRecError
 
 RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
@@ -110,7 +111,8 @@ def broadcast_parameters(params: list[torch.Tensor]) -> None:
     if not params:
         return
     flat = torch.cat([p.detach().reshape(-1) for p in params])
-    dist.broadcast(flat, src=0)
+    with guard("the broadcast of the dense parameters"):
+        dist.broadcast(flat, src=0)
     _unflatten(flat, [p.data for p in params])
 
 
@@ -181,15 +183,17 @@ class DenseAllReduce:
 
     def _start(self, flat: torch.Tensor) -> None:
         try:
-            self.works.append(dist.all_reduce(flat, group=self.group, async_op=True))
+            with guard("the dense all-reduce"):
+                self.works.append(dist.all_reduce(flat, group=self.group, async_op=True))
         except (RuntimeError, dist.DistBackendError) as err:
             raise self._error(err) from None
         self.traffic.bytes_sent += int(2 * (self.world - 1) / self.world * flat.numel() * flat.element_size())
 
     def _wait_all(self) -> None:
         try:
-            for work in self.works:
-                work.wait()
+            with guard("the dense all-reduce"):  # a stopped rank: gloo's timeout, then a CollectiveTimeout
+                for work in self.works:
+                    work.wait()
         except (RuntimeError, dist.DistBackendError) as err:
             raise self._error(err) from None
 

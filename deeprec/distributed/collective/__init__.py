@@ -6,4 +6,6 @@
     planner.py   where each fixed table goes: row-wise or table-wise (FixedShard)
     reshard.py   per-rank checkpoints, restored onto any number of ranks
     strategy.py  Collective, the Strategy the trainer runs a rank with
+    deadline.py  --collective-timeout: every group's timeout, errors naming the rank that stopped
+                 answering (heartbeats in the rendezvous store), a watchdog that bounds what ignores it
 """

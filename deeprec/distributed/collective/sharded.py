@@ -23,6 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 from deeprec.distributed.allreduce import Traffic
+from deeprec.distributed.collective import deadline
+from deeprec.distributed.collective.deadline import guard
 from deeprec.errors import ConfigError, NonFiniteError
 from deeprec.nn.collection import EmbeddingCollection, FusedLookup
 from deeprec.nn.lookup import EmbeddingLookup, assemble
@@ -37,7 +39,8 @@ def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
     out = send.new_empty((sum(recv_counts), *send.shape[1:]))
     row_bytes = send[:1].numel() * send.element_size()
     started = time.perf_counter()
-    dist.all_to_all_single(out, send.contiguous(), recv_counts, send_counts, group=lookup.group)
+    with guard("the all-to-all of the embedding exchange"):
+        dist.all_to_all_single(out, send.contiguous(), recv_counts, send_counts, group=lookup.group)
     lookup.traffic.add(time.perf_counter() - started,
                        row_bytes * (sum(send_counts) - send_counts[lookup.rank]))  # own rows never leave
     return out
@@ -159,7 +162,8 @@ class ShardedLookup(EmbeddingLookup):
         """The exchange's own process group: NCCL for tables on a GPU, gloo for tables on the host
         (also beside an NCCL default group: the dense all-reduce on the GPU)."""
         if self._group is None:
-            self._group = dist.new_group(backend="nccl" if self.table_device.type == "cuda" else "gloo")
+            self._group = dist.new_group(backend="nccl" if self.table_device.type == "cuda" else "gloo",
+                                         timeout=deadline.timeout())  # None: torch's default (30 min)
         return self._group
 
     def _owners(self, uniques: list[torch.Tensor], keys: torch.Tensor) -> torch.Tensor:
@@ -244,7 +248,8 @@ def evaluate_sharded(model: nn.Module, reader) -> dict:
     from deeprec.metrics import run_evaluation
 
     evaluation = run_evaluation(model, _lockstep(reader), progress=False)
-    evaluation.all_reduce(device=_default_group_device())
+    with guard("the all-reduce of the evaluation metrics"):
+        evaluation.all_reduce(device=_default_group_device())
     return evaluation.result()
 
 
@@ -264,7 +269,8 @@ def _lockstep(reader):
         batch = next(batches, None)
         state = torch.tensor([batch is not None, batch is None and not started], dtype=torch.int64,
                              device=_default_group_device())
-        dist.all_reduce(state)
+        with guard("evaluation's lockstep all-reduce"):
+            dist.all_reduce(state)
         if int(state[1]):  # every rank learns it, so none waits in a lookup for it
             raise ConfigError(f"{int(state[1])} rank(s) got no evaluation rows: their share of the evaluation data "
                               "is empty; give more evaluation data (files are split into byte ranges) or fewer ranks")
@@ -288,7 +294,8 @@ class CollectiveUpdater(LocalUpdater):
     rank sees it) is then dropped whole on every rank, and every rank stops with NonFiniteError."""
 
     def __init__(self, model: nn.Module, optimizer: str, lr: float, rank: int, world_size: int,
-                 device: torch.device = torch.device("cpu"), overlap: bool = True):
+                 device: torch.device = torch.device("cpu"), overlap: bool = True,
+                 timeout_s: float = deadline.DEFAULT_TIMEOUT_S):
         from deeprec.distributed.allreduce import (DenseAllReduce, broadcast_parameters, join_process_group,
                                                   rendezvous_from_env)
         from deeprec.optim import make_optimizer
@@ -298,7 +305,11 @@ class CollectiveUpdater(LocalUpdater):
         self.rank, self.world_size = rank, world_size
         move_dense(model, device)  # the all-reduce runs where the dense layers are: NCCL on a GPU
         dense = [p for p in model.parameters() if p.requires_grad]
-        join_process_group(rendezvous_from_env(rank, world_size), device)
+        rendezvous = rendezvous_from_env(rank, world_size)
+        limit = deadline.install(timeout_s, rank, world_size, rendezvous.master_addr, rendezvous.master_port)
+        with guard("the rendezvous (creating the process group)"):
+            join_process_group(rendezvous, device, timeout_s=timeout_s)
+        limit.start_heartbeat()
         broadcast_parameters(dense)  # the replicas start equal
         self.reducer = DenseAllReduce(dense, overlap=overlap)
         if not shard_embeddings(model):  # on the host: a rank moves only its shard to the GPU

@@ -64,11 +64,16 @@ class Collective(Strategy):
                               "(EmbeddingFeature(name, num_embeddings=None)), or train it on parameter servers "
                               "(deeprec launch --ps 1 --workers N)")
         updater = CollectiveUpdater(model, cfg.optimizer.name, cfg.optimizer.lr, self.rank, self.world_size, device,
-                                    overlap=cfg.optimize.micro_batch_num == 1)  # micro-batches: after the last
+                                    overlap=cfg.optimize.micro_batch_num == 1,  # micro-batches: after the last
+                                    timeout_s=cfg.distributed.collective_timeout)
         self.host_tables = updater.host_tables
         import torch.distributed as dist
 
-        self._stop_group = dist.new_group(backend="gloo")  # agree(): on the CPU, no device sync per step
+        from deeprec.distributed.collective.deadline import guard, timeout
+
+        # agree(): on the CPU, no device sync per step; the group's timeout is --collective-timeout
+        with guard("creating the stop agreement's group"):
+            self._stop_group = dist.new_group(backend="gloo", timeout=timeout())
         return updater
 
     def agree(self, stop: bool) -> bool:
@@ -76,8 +81,11 @@ class Collective(Strategy):
         of its own (tens of microseconds on the host; never a device synchronization)."""
         import torch.distributed as dist
 
+        from deeprec.distributed.collective.deadline import guard
+
         flag = torch.tensor([int(stop)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._stop_group)
+        with guard("the stop agreement"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._stop_group)
         return bool(flag.item())
 
     def train_shards(self) -> dict:
@@ -139,12 +147,14 @@ class Collective(Strategy):
         """Communication per step, and the job's totals (every rank's rows; the slowest rank's time)."""
         import torch.distributed as dist
 
+        from deeprec.distributed.collective.deadline import guard
         from deeprec.distributed.collective.sharded import _default_group_device
 
         rows = torch.tensor([float(result["rows"])], dtype=torch.float64, device=_default_group_device())
         seconds = torch.tensor([float(result["seconds"])], dtype=torch.float64, device=_default_group_device())
-        dist.all_reduce(rows)
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        with guard("the all-reduce of the job's totals"):
+            dist.all_reduce(rows)
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
         job = {"ranks": self.world_size, "rows": int(rows.item()),
                "samples_per_s": rows.item() / seconds.item() if seconds.item() > 0 else 0.0}
         return {**super().summary(model, updater, result), "communication": updater.traffic(), "job": job}
