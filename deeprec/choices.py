@@ -7,5 +7,8 @@ STORAGES = ("dram", "ssd")  # where EmbeddingVariable rows live
 CACHE_POLICIES = ("lfu", "lru")  # which rows leave DRAM first
 BAD_ROW_POLICIES = ("raise", "skip")
 NAN_POLICIES = ("raise", "skip")
+CARDINALITIES = ("kaggle", "small")  # synthetic Criteo-layout data: Kaggle's column cardinalities or small ones
+SYNTH_KINDS = ("criteo", "behavior")  # deeprec data synth --kind
 
-__all__ = ["PROTOCOLS", "DENSE_MODES", "STORAGES", "CACHE_POLICIES", "BAD_ROW_POLICIES", "NAN_POLICIES"]
+__all__ = ["PROTOCOLS", "DENSE_MODES", "STORAGES", "CACHE_POLICIES", "BAD_ROW_POLICIES", "NAN_POLICIES",
+           "CARDINALITIES", "SYNTH_KINDS"]

@@ -10,12 +10,13 @@ import json
 import logging
 import os
 import sys
+import traceback
 from importlib import resources
 
 from rich.console import Console
 from rich.markup import escape
 
-from deeprec.choices import BAD_ROW_POLICIES
+from deeprec.choices import BAD_ROW_POLICIES, CARDINALITIES, SYNTH_KINDS
 from deeprec.errors import ConfigError, DeepRecError
 from deeprec.models import MODELS
 from deeprec.models.features import EMBEDDINGS
@@ -294,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--config", metavar="FILE", help="a TOML file of TrainConfig fields")
     add_arguments(tr, TrainConfig)
     tr.add_argument("--synthetic", type=at_least(1), metavar="ROWS", help="train on ROWS synthetic rows (cached)")
-    tr.add_argument("--cardinalities", "--synthetic-cardinalities", choices=("kaggle", "small"), default="kaggle",
+    tr.add_argument("--cardinalities", "--synthetic-cardinalities", choices=CARDINALITIES, default="kaggle",
                     help="synthetic Criteo-layout data: Kaggle's column cardinalities or small ones")
     tr.add_argument("--json", help="write the result as JSON here (worker or rank R of several: <name>.rank-R.json)")
     tr.set_defaults(func=cmd_train)
@@ -355,9 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     sy = data.add_parser("synth", help="write synthetic Criteo-layout TSV")
     sy.add_argument("--rows", type=at_least(1), required=True)
     sy.add_argument("--out", required=True)
-    sy.add_argument("--kind", choices=("criteo", "behavior"), default="criteo",
+    sy.add_argument("--kind", choices=SYNTH_KINDS, default="criteo",
                     help="Criteo layout, or behaviour sequences (DIN, DIEN, DSSM, MMoE)")
-    sy.add_argument("--cardinalities", choices=("kaggle", "small"), default="kaggle")
+    sy.add_argument("--cardinalities", choices=CARDINALITIES, default="kaggle")
     sy.add_argument("--seed", type=int, default=0)
     sy.set_defaults(func=cmd_synth)
     cv = data.add_parser("convert", help="Criteo TSV/CSV to Parquet")
@@ -368,19 +369,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_USAGE, EXIT_FAILED = 2, 1  # and 128 + signal (130 Ctrl-C, 143 SIGTERM) for a stopped run: docs/reliability.md
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 2 a usage or configuration error (argparse's own), 1 data that cannot be read, a
+    failing server or process, or a bug in deeprec; 130/143 a run stopped by a signal."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     console = Console(stderr=True)
     configure_progress(console)  # evaluation, export and synth progress share the CLI's console
+
+    def fail(err: Exception, code: int) -> int:
+        console.print(f"[red]error:[/red] {escape(str(err))}", highlight=False, soft_wrap=True)  # one line
+        return code
+
     try:
         return args.func(args, console)
     except (ConfigError, FileNotFoundError) as err:  # usage and configuration: exit code 2, as argparse's
-        console.print(f"[red]error:[/red] {escape(str(err))}", highlight=False, soft_wrap=True)  # one line; [brackets] kept
-        return 2
-    except DeepRecError as err:  # data that cannot be read, a parameter server that fails: exit code 1
-        console.print(f"[red]error:[/red] {escape(str(err))}", highlight=False, soft_wrap=True)  # one line; [brackets] kept
-        return 1
+        return fail(err, EXIT_USAGE)
+    except DeepRecError as err:  # data that cannot be read, a parameter server that fails
+        return fail(err, EXIT_FAILED)
+    except Exception:  # not the user's mistake: a traceback, and its first line says whose it is
+        console.print("[red]internal error: a bug in deeprec[/red] (please report it with the traceback below)",
+                      highlight=False, soft_wrap=True)
+        console.print(escape(traceback.format_exc()), highlight=False, soft_wrap=True)
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ class SmartStageOptions:
                            flag="--stage-ordered")
     executor: str = option("thread", "SmartStage: auto (measure the first batches, then pick off, thread or "
                            "process and the step's threads), thread, or a worker process (no GIL sharing)",
-                           flag="--stage-executor", choices=("thread", "process", "auto"))
+                           flag="--stage-executor", choices=EXECUTORS)
 
     def __post_init__(self):
         _positive("SmartStageOptions", capacity=self.capacity, num_threads=self.num_threads,

@@ -140,6 +140,11 @@ def add_arguments(parser: argparse.ArgumentParser, cls, path: tuple[str, ...] = 
         parser.add_argument(flag, *meta.get("aliases", ()), **kwargs)
 
 
+def bytes_flag(text: str) -> int:
+    """argparse type of a byte count with units (parse_bytes), for flags declared outside a dataclass."""
+    return _argparse_type(parse_bytes)(text)
+
+
 def _argparse_type(parse):
     """`parse` for argparse: its error becomes argparse's (the flag named, exit code 2)."""
     def convert(text: str):
@@ -224,6 +229,8 @@ def section_aliases(cls, values: dict, where: str = "") -> dict:
     sections = {f.name for f in dataclasses.fields(cls) if _nested(_hints(cls)[f.name]) is not None}
     names, out = flat_names(cls), {}
     for key, value in values.items():
+        if key in sections and dataclasses.is_dataclass(value):
+            value = _as_dict(value)  # a built section: its values, which flat names may then override
         if key in sections and isinstance(value, dict):
             out[key] = merge(out.get(key, {}), value)
             continue

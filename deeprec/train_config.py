@@ -162,6 +162,10 @@ class DistributedConfig:
     dense: str = option("allreduce", choices=DENSE_MODES)
     """PS workers: dense parameters replicated on the workers and averaged by all-reduce (only embedding rows
     go to the PSs), or kept on the PSs"""
+    collective_timeout: float = option(120.0, ge=1, metavar="SECONDS")
+    """collective training (torchrun ranks): the deadline of every collective (the rendezvous, the embedding
+    exchange, the dense all-reduce, evaluation, the stop agreement); a rank stopped, killed or cut off makes
+    the others exit with an error naming it within this plus 30 s"""
 
     def __post_init__(self):
         check_fields(self, ("distributed",))

@@ -19,7 +19,8 @@ class Rows(nn.Module):
     def forward(self, batch):
         ids = ops.string_to_hash_key(batch["C1"])
         logits = self.table(ids % 1000).sum(1) + ops.fill_missing(batch["I1"])
-        return {"loss": nn.functional.binary_cross_entropy_with_logits(logits, batch["label"]), "ids": ids}
+        return {"loss": nn.functional.binary_cross_entropy_with_logits(logits, batch["label"]), "logits": logits,
+                "ids": ids}
 
 
 def _run(fast, reader):

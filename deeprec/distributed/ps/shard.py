@@ -31,7 +31,7 @@ from deeprec.distributed.ps.wire import WireError, pack, unpack
 from deeprec.errors import ConfigError
 from deeprec.nn.disk_rows import check_tier_folder
 from deeprec.nn.options import StorageOption
-from deeprec.options import add_arguments, build, given
+from deeprec.options import add_arguments, build, bytes_flag, given
 from deeprec.runtime.memory import tune_malloc
 
 log = logging.getLogger("deeprec.ps")
@@ -179,11 +179,11 @@ def main(argv=None) -> int:
     parser.add_argument("--num-shards", type=int, help="default: TF_CONFIG's number of ps tasks, else 1")
     parser.add_argument("--threads", type=int, help="default: NETWORK_PS_CORE_NUMBER, else min(8, workers)")
     parser.add_argument("--workers", type=int, help="workers that will connect (default: TF_CONFIG's, else 8)")
-    parser.add_argument("--max-memory", type=int, metavar="BYTES",
+    parser.add_argument("--max-memory", type=bytes_flag, metavar="BYTES",
                         help="memory budget of the shard's variables (default: 80%% of RAM); past it, "
                              "Register and inserting pulls get RESOURCE_EXHAUSTED")
     parser.add_argument("--max-dim", type=int, default=MAX_DIM, help="largest embedding dim a Register may ask for")
-    parser.add_argument("--max-reply-bytes", type=int, default=MAX_REPLY, metavar="BYTES",
+    parser.add_argument("--max-reply-bytes", type=bytes_flag, default=MAX_REPLY, metavar="BYTES",
                         help=f"largest reply to an evaluation Pull (default {MAX_REPLY >> 20} MiB, at least "
                              f"{MIN_REPLY >> 10} KiB): a larger one is answered in chunks, which the client asks "
                              "for in turn. Keep it under the clients' receive cap (deeprec's: 1 GiB; gRPC's "
