@@ -258,12 +258,15 @@ def cmd_synth(args, console: Console) -> int:
 
 
 def cmd_convert(args, console: Console) -> int:
-    from deeprec.data import CriteoReader, write_parquet
+    from deeprec.data import open_reader, write_parquet
     from deeprec.data.reader import resolve_paths
 
-    resolve_paths(args.input, "input")
-    rows = write_parquet(CriteoReader(args.input, 65536, on_bad_row=args.on_bad_row), args.out)
-    print(json.dumps({"rows": rows, "out": args.out}))
+    files = resolve_paths(args.input, "input")
+    if any(f.endswith((".parquet", ".pq")) for f in files):
+        raise ConfigError("input: these are Parquet files already; data convert reads CSV/TSV")
+    reader = open_reader(files, 65536, schema=args.schema, on_bad_row=args.on_bad_row)
+    rows = write_parquet(reader, args.out)
+    print(json.dumps({"rows": rows, "out": args.out, "schema": reader.schema.name}))
     return 0
 
 
@@ -361,8 +364,11 @@ def build_parser() -> argparse.ArgumentParser:
     sy.add_argument("--cardinalities", choices=CARDINALITIES, default="kaggle")
     sy.add_argument("--seed", type=int, default=0)
     sy.set_defaults(func=cmd_synth)
-    cv = data.add_parser("convert", help="Criteo TSV/CSV to Parquet")
-    cv.add_argument("input", nargs="+")
+    cv = data.add_parser("convert", help="CSV/TSV to Parquet (any schema)")
+    cv.add_argument("input", nargs="+", help="CSV/TSV files, folders or globs, in any layout a schema describes")
+    cv.add_argument("--schema", help="the data's columns: a preset (criteo, avazu, movielens, byterec, behavior) or "
+                    "a TOML schema file (default: the preset the data matches); train on the result with the same "
+                    "--schema")
     cv.add_argument("--out", required=True)
     cv.add_argument("--on-bad-row", choices=BAD_ROW_POLICIES, default="raise")
     cv.set_defaults(func=cmd_convert)

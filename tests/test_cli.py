@@ -308,3 +308,50 @@ def test_export_onto_an_existing_file_is_refused_with_one_line(tmp_path, capsys)
 
 def test_explain_takes_every_embedding_kind_train_takes(capsys):
     assert main(["explain", "--model", "dlrm", "--embedding", "torch"]) == 0
+
+
+def test_data_convert_takes_any_schema_and_the_parquet_trains(tmp_path, capsys):
+    import pyarrow.parquet as pq
+
+    from deeprec.cli import sample_path
+    from deeprec.data import CsvReader, schema_for
+
+    out = tmp_path / "movielens.parquet"
+    assert main(["data", "convert", sample_path("movielens_sample.txt"), "--out", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["schema"] == "movielens"
+    table = pq.read_table(out)
+    source = sample_path("movielens_sample.txt")
+    first = next(iter(CsvReader([source], schema_for(source), 200)))  # the columns a reader yields, as read
+    assert table.num_rows == 200 and set(table.column_names) == set(first)
+    label = schema_for(source).labels[0]
+    assert table.column(label).to_pylist() == first[label].tolist()
+    assert main(["train", "--model", "din", "--data", str(out), "--schema", "movielens", "--steps", "2",
+                 "--batch-size", "16", "--no-progress"]) == 0
+    assert main(["data", "convert", str(out), "--out", str(tmp_path / "again.parquet")]) == 2
+    assert "Parquet files already" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_serve_refuses_a_port_in_use_and_a_manifest_without_checksums_in_one_line(tmp_path, capsys):
+    import socket
+
+    ck, exported = tmp_path / "ck", tmp_path / "exported"
+    assert main(["train", "--steps", "2", "--no-progress", "--checkpoint-dir", str(ck)]) == 0
+    assert main(["export", "--checkpoint", str(ck), "--out", str(exported)]) == 0
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    capsys.readouterr()
+    try:
+        assert main(["serve", str(exported), "--port", str(taken.getsockname()[1])]) == 2
+    finally:
+        taken.close()
+    err = capsys.readouterr().err
+    assert "cannot listen there" in err and "--port" in err and "Traceback" not in err
+    manifest = exported / "manifest.json"
+    values = json.loads(manifest.read_text())
+    del values["sha256"]
+    manifest.write_text(json.dumps(values))
+    assert main(["serve", str(exported), "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "not a complete deeprec export manifest" in err and "Traceback" not in err

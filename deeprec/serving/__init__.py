@@ -47,15 +47,21 @@ class ServedModel:
                 self.manifest = json.load(f)
         except (OSError, ValueError) as err:
             raise ServingError(f"{manifest_path}: not a deeprec export ({err})") from None
-        if self.manifest.get("format") != FORMAT:
-            raise ServingError(f"{manifest_path}: format {self.manifest.get('format')!r}, this deeprec reads {FORMAT}")
-        for name in (PROGRAM, TABLES):
-            file = os.path.join(path, name)
-            if not os.path.exists(file) or sha256_file(file) != self.manifest["sha256"][name]:
-                raise ServingError(f"{file}: missing or corrupt (its sha256 differs from the manifest)")
-        self.path, self.step = path, int(self.manifest["step"])
-        self.schema = schema_from_dict(self.manifest["schema"])
-        self.labels = list(self.manifest["labels"])
+        if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT:
+            found = self.manifest.get("format") if isinstance(self.manifest, dict) else None
+            raise ServingError(f"{manifest_path}: format {found!r}, this deeprec reads {FORMAT}")
+        try:
+            digests = self.manifest["sha256"]
+            for name in (PROGRAM, TABLES):
+                file = os.path.join(path, name)
+                if not os.path.exists(file) or sha256_file(file) != digests[name]:
+                    raise ServingError(f"{file}: missing or corrupt (its sha256 differs from the manifest)")
+            self.path, self.step = path, int(self.manifest["step"])
+            self.schema = schema_from_dict(self.manifest["schema"])
+            self.labels = list(self.manifest["labels"])
+        except (KeyError, TypeError, ValueError) as err:  # a manifest without its checksums or fields
+            raise ServingError(f"{manifest_path}: not a complete deeprec export manifest ({type(err).__name__}: "
+                               f"{err}); export it again") from None
         from deeprec.ragged import Ragged
 
         with torch.serialization.safe_globals([Ragged]):  # the recorded example inputs hold Ragged batches

@@ -36,6 +36,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from deeprec.data.collate import collate
+from deeprec.errors import ConfigError
 from deeprec.serving import RequestError, ServedModel, ServingError, batch_rows
 from deeprec.serving.export import MANIFEST
 from deeprec.serving.online import ExportFolder
@@ -298,7 +299,12 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 8080, max_batch: int =
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it: no Nagle delay
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as err:  # in use, or an address this host does not have
+        sock.close()
+        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({err.strerror}); give another "
+                          "--port (0: any free one)") from None
     sock.listen(1024)  # connections wait in the backlog until uvicorn accepts
     print(f"listening on http://{host}:{sock.getsockname()[1]}", flush=True)
     uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
