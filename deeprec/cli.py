@@ -210,9 +210,6 @@ def cmd_export(args, console: Console) -> int:
 def cmd_serve(args, console: Console) -> int:
     from deeprec.serving.server import serve
 
-    if args.max_batch < 1 or args.max_wait_ms < 0:
-        raise ConfigError(f"--max-batch must be >= 1 and --max-wait-ms >= 0, got {args.max_batch} and "
-                          f"{args.max_wait_ms}")
     from deeprec.security import read_token
     from deeprec.options import parse_bytes
 
@@ -281,6 +278,30 @@ def at_least(low: int):
     return parse
 
 
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free one) to 65535."""
+    value = at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port, 0 to 65535, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from deeprec import __version__
     from deeprec.options import add_arguments
@@ -309,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "with sharded embeddings (as under torchrun)")
     la.add_argument("--workers", type=at_least(1), default=1, help="training processes (PS workers or ranks)")
     # the worker options launch itself acts on: the same fields as deeprec train's
-    add_arguments(la, DistributedConfig, ("distributed",), exclude=("dense",))
+    add_arguments(la, DistributedConfig, ("distributed",), exclude=("dense", "collective_timeout"))
     add_arguments(la, CheckpointConfig, ("checkpoint",), exclude=("dir", "every", "incremental_every"))
     la.add_argument("rest", nargs=argparse.REMAINDER, help="-- train ... (the worker command)")
     la.set_defaults(func=cmd_launch)
@@ -319,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--data", nargs="+", help="the data whose columns the model is built over (default: its preset)")
     ex.add_argument("--schema", help="the data's columns: a preset name or a TOML schema file")
     ex.add_argument("--no-smart-stage", action="store_true")
-    ex.add_argument("--ranks", type=int, default=0, help="also show the collective sharding plan over N ranks")
+    ex.add_argument("--ranks", type=at_least(0), default=0, help="also show the collective sharding plan over N ranks")
     ex.add_argument("--embedding", choices=EMBEDDINGS, help="a zoo model's embedding kind (default: its own)")
     ex.add_argument("--optimizer", choices=OPTIMIZERS, default="adagrad",
                     help="with --ranks: its slots count in the tables' bytes")
@@ -342,11 +363,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="HTTP JSON inference server of an export (POST /v1/predict)")
     sv.add_argument("model_dir", help="an export, or a training's --export-dir (followed while serving)")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless given)")
-    sv.add_argument("--port", type=int, default=8080, help="0: any free port (printed)")
+    sv.add_argument("--port", type=port_number, default=8080, help="0: any free port (printed)")
     sv.add_argument("--max-batch", type=at_least(1), default=256, help="rows per model call, concurrent requests merged")
-    sv.add_argument("--max-wait-ms", type=float, default=2.0, help="wait for more requests to batch")
-    sv.add_argument("--threads", type=int, default=None, help="torch threads scoring (default: cores - 1)")
-    sv.add_argument("--watch-interval", type=float, default=1.0,
+    sv.add_argument("--max-wait-ms", type=non_negative_float, default=2.0, help="wait for more requests to batch")
+    sv.add_argument("--threads", type=at_least(1), default=None, help="torch threads scoring (default: cores - 1)")
+    sv.add_argument("--watch-interval", type=positive_float, default=1.0,
                     help="seconds between looks for new deltas/full exports (MODEL_DIR a training's --export-dir)")
     sv.add_argument("--max-rows", type=at_least(1), default=8192, help="rows of one request (more: 400)")
     sv.add_argument("--max-body-bytes", default="8MiB", help="request body size (more: 413), e.g. 8MiB, 65536")
@@ -362,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     sy.add_argument("--kind", choices=SYNTH_KINDS, default="criteo",
                     help="Criteo layout, or behaviour sequences (DIN, DIEN, DSSM, MMoE)")
     sy.add_argument("--cardinalities", choices=CARDINALITIES, default="kaggle")
-    sy.add_argument("--seed", type=int, default=0)
+    sy.add_argument("--seed", type=at_least(0), default=0)
     sy.set_defaults(func=cmd_synth)
     cv = data.add_parser("convert", help="CSV/TSV to Parquet (any schema)")
     cv.add_argument("input", nargs="+", help="CSV/TSV files, folders or globs, in any layout a schema describes")

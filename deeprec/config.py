@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deeprec.options import option
+from deeprec.options import check_fields, option
 
-from deeprec.errors import ConfigError, OutOfRangeError, check_choice
+from deeprec.errors import ConfigError, OutOfRangeError
 from deeprec.graph.multi_stream import MultiStreamOptions
 
 
@@ -45,19 +45,19 @@ class SmartStageOptions:
     picks off, thread or process and the step's intra-op threads (deeprec.runtime.auto_stage).
     """
 
-    capacity: int = option(1, "SmartStage: results buffered ahead", flag="--capacity")
-    num_threads: int = option(1, "SmartStage: runner threads executing the stage", flag="--stage-threads")
-    num_clients: int = option(1, "SmartStage: consumers taking results", flag="--stage-clients")
+    capacity: int = option(1, "SmartStage: results buffered ahead", flag="--capacity", ge=1)
+    num_threads: int = option(1, "SmartStage: runner threads executing the stage", flag="--stage-threads", ge=1)
+    num_clients: int = option(1, "SmartStage: consumers taking results", flag="--stage-clients", ge=1)
     timeout_millis: int = option(300000, "SmartStage: how long a result waits for buffer space before it is "
-                                 "dropped", flag="--stage-timeout-millis")
+                                 "dropped", flag="--stage-timeout-millis", ge=1)
     closed_exception_types: tuple = option((StopIteration, OutOfRangeError), cli=False, file=False)
     ignored_exception_types: tuple = option((), cli=False, file=False)
     use_stage_subgraph_thread_pool: bool = option(False, "SmartStage: run the stage in Config.stage_thread_pools",
                                                   flag="--stage-thread-pool")
     stage_subgraph_thread_pool_id: int = option(0, "SmartStage: which of Config.stage_thread_pools",
-                                                flag="--stage-thread-pool-id")
+                                                flag="--stage-thread-pool-id", ge=0)
     stage_subgraph_stream_id: int = option(0, "SmartStage: CUDA stream of the stage's host-to-device copy",
-                                           flag="--stage-stream-id")
+                                           flag="--stage-stream-id", ge=0)
     name: str | None = option(None, "SmartStage: a name for its threads", flag="--stage-name")
     ordered: bool = option(True, "SmartStage: results in reader order (off: completion order)",
                            flag="--stage-ordered")
@@ -66,20 +66,15 @@ class SmartStageOptions:
                            flag="--stage-executor", choices=EXECUTORS)
 
     def __post_init__(self):
-        _positive("SmartStageOptions", capacity=self.capacity, num_threads=self.num_threads,
-                  num_clients=self.num_clients, timeout_millis=self.timeout_millis)
+        check_fields(self, ("optimize", "smart_stage_options"))  # types, bounds, choices: as declared
         self.closed_exception_types = _exception_types("SmartStageOptions", "closed_exception_types",
                                                        self.closed_exception_types)
         self.ignored_exception_types = _exception_types("SmartStageOptions", "ignored_exception_types",
                                                         self.ignored_exception_types)
-        check_choice("SmartStageOptions.executor", self.executor, EXECUTORS)
         if self.executor == "process" and (self.num_threads != 1 or self.use_stage_subgraph_thread_pool):
-            raise ConfigError("SmartStageOptions(executor='process') runs one worker process: it needs "
-                              "num_threads=1 and use_stage_subgraph_thread_pool=False")
-        for name in ("stage_subgraph_thread_pool_id", "stage_subgraph_stream_id"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ConfigError(f"SmartStageOptions.{name} must be an int >= 0, got {value!r}")
+            raise ConfigError("--stage-executor process runs one worker process: it needs --stage-threads 1 and "
+                              "no --stage-thread-pool (SmartStageOptions num_threads=1, "
+                              "use_stage_subgraph_thread_pool=False)")
 
 
 @dataclass
@@ -128,12 +123,13 @@ class Config:
     smart_stage_options: SmartStageOptions = option(factory=SmartStageOptions)
     stage_subgraph_on_cpu: bool = option(False, "CUDA: run the stage on CPU into pinned memory, one packed copy")
     stage_thread_pools: list = option(factory=list, cli=False, file=False)
-    main_threads: int | None = option(None, "intra-op threads of the step while staging (default: cores - stage)")
+    main_threads: int | None = option(None, "intra-op threads of the step while staging (default: cores - stage)",
+                                      ge=1)
     async_embedding: bool = option(False, "PS worker with --smart-stage: pull batch t+1's embedding rows while "
                                    "batch t computes")
     multi_stream: MultiStreamOptions | None = option(None, defaults={"policy": "embedding"})
     micro_batch_num: int = option(1, "split each batch into N micro-batches, accumulate, one optimizer step",
-                                  flag="--micro-batch", metavar="N")
+                                  flag="--micro-batch", metavar="N", ge=1)
     graph_fusion: bool = option(False, "torch.compile the training step (graph fusion)", flag="--compile")
     bf16: bool | str = option(False, "run the step under autocast(bfloat16), fp32 weights; auto: only where the "
                               "hardware has fast bf16 (CUDA, AMX or AVX512-BF16 CPUs)", nargs="?", const="on",
@@ -141,6 +137,7 @@ class Config:
     tf32: bool = option(False, "allow TF32 matmuls on GPU")
 
     def __post_init__(self):
+        check_fields(self, ("optimize",))
         if not isinstance(self.smart_stage_options, SmartStageOptions):
             raise ConfigError("smart_stage_options must be a deeprec.SmartStageOptions")
         self.stage_thread_pools = list(self.stage_thread_pools)
@@ -155,13 +152,10 @@ class Config:
                 raise ConfigError(
                     f"SmartStageOptions.stage_subgraph_thread_pool_id={opts.stage_subgraph_thread_pool_id} "
                     f"but Config.stage_thread_pools declares {n} pool(s) ({declared})")
-        if self.main_threads is not None:
-            _positive("Config", main_threads=self.main_threads)
         if self.multi_stream is not None and not isinstance(self.multi_stream, MultiStreamOptions):
             raise ConfigError("multi_stream must be a deeprec.MultiStreamOptions or None")
         if self.multi_stream is not None and self.multi_stream.num_streams == 1:
             self.multi_stream = None  # one stream is the step as it is
-        _positive("Config", micro_batch_num=self.micro_batch_num)
         if self.micro_batch_num > 1 and (opts.executor == "process" or not opts.ordered):
             raise ConfigError("micro_batch_num > 1 regroups a batch's micro-batches in order: it needs "
                               "SmartStageOptions(executor='thread', ordered=True)")

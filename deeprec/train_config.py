@@ -13,6 +13,7 @@ TrainConfig, and rules of a way of training in its Strategy.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from deeprec.choices import BAD_ROW_POLICIES, DENSE_MODES, NAN_POLICIES, PROTOCOLS
@@ -89,7 +90,7 @@ class TrainingConfig:
     """total optimizer steps (resume counts the steps already done)"""
     epochs: int | None = option(None, ge=1)
     """passes over the data when --steps is not given (default 1)"""
-    seed: int = option(0)
+    seed: int = option(0, ge=0)
     """seed of the model's initialization and the shuffle"""
     eval_every: int = option(0, ge=0)
     """steps between evaluations during training (0: only at the end)"""
@@ -188,6 +189,10 @@ class TrainConfig:
                               title="optimizations (deeprec.optimize)")
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):  # TrainConfig(steps=5): the flat keywords of before
+            if not dataclasses.is_dataclass(getattr(self, f.name)):
+                raise ConfigError(f"TrainConfig.{f.name} must be a {f.type} section; build a config from flat "
+                                  f"names or tables with TrainConfig.create({f.name}=...)")
         if not self.data.paths:
             raise ConfigError("no training data: give --data PATH (TrainConfig.create(data=[paths]))")
 

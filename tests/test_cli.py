@@ -153,7 +153,8 @@ def test_config_file_errors_name_the_file_and_the_allowed_keys(tmp_path, capsys)
     assert "bad.toml" in err and "unknown option 'stepz'" in err and "steps" in err
     bad.write_text("[optimize.smart_stage_options]\ncapacity = 0\n")
     assert main(["train", "--config", str(bad)]) == 2
-    assert "capacity must be a positive int" in capsys.readouterr().err
+    assert "--capacity (optimize.smart_stage_options.capacity in a config file): expected `int` >= 1" in \
+        capsys.readouterr().err
     bad.write_text("[optimize]\nstage_thread_pools = []\n")  # not settable from a file
     assert main(["train", "--config", str(bad)]) == 2
     assert "unknown option 'optimize.stage_thread_pools'" in capsys.readouterr().err

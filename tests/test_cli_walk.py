@@ -9,7 +9,6 @@ import argparse
 import dataclasses
 import io
 import signal
-import sys
 import typing
 from contextlib import redirect_stderr, redirect_stdout
 
@@ -20,6 +19,7 @@ from deeprec.cli import build_parser, main, sample_path
 READ_FILES = {"--data", "--eval-data", "--config", "--schema", "--checkpoint", "input", "model_dir", "--token-file"}
 FOLDER_OK = {"--data", "--eval-data", "--checkpoint", "model_dir"}  # a folder of data files, of checkpoints
 SKIP = {"-h", "--help", "--version"}
+NUMBER_TYPES = {"port_number", "positive_float", "non_negative_float", "bytes_flag"}
 
 
 def _subcommands():
@@ -58,11 +58,8 @@ def _wrong_values(action, tmp_path) -> list[str]:
         return ["not-a-choice"]
     kind = getattr(action.type, "__name__", "")
     values = []
-    if action.type in (int, float) or kind.startswith("int >="):
-        values.append("abc")
-        low = _bounds(action)
-        if kind.startswith("int >=") or low:
-            values.append("-1")
+    if action.type in (int, float) or kind.startswith("int >=") or kind in NUMBER_TYPES or _bounds(action):
+        values += ["abc", "-1"]  # no count, size, port, seed or interval here is negative
     if names & READ_FILES:
         values += [str(tmp_path / "missing" / "file"), "/dev/zero"]
         if not names & FOLDER_OK:

@@ -42,7 +42,7 @@ def test_defaults_are_the_seeds():
     assert o.closed_exception_types == (StopIteration, dr.OutOfRangeError) and o.ignored_exception_types == ()
     assert (o.use_stage_subgraph_thread_pool, o.stage_subgraph_thread_pool_id, o.stage_subgraph_stream_id,
             o.name) == (False, 0, 0, None)
-    with pytest.raises(dr.ConfigError, match="capacity must be a positive int"):
+    with pytest.raises(dr.ConfigError, match="--capacity .*expected `int` >= 1"):
         dr.SmartStageOptions(capacity=0)
     with pytest.raises(dr.ConfigError, match="must hold exception classes"):
         dr.SmartStageOptions(ignored_exception_types=("ValueError",))
@@ -348,5 +348,5 @@ def test_process_executor_needs_picklable_input():
         PrefetchRunner((i for i in range(3)), double, dr.SmartStageOptions(**PROCESS))
     with pytest.raises(dr.ConfigError, match="num_threads=1"):
         dr.SmartStageOptions(executor="process", num_threads=2)
-    with pytest.raises(dr.ConfigError, match="executor='fiber' is not allowed"):
+    with pytest.raises(dr.ConfigError, match="--stage-executor .*'fiber' is not allowed"):
         dr.SmartStageOptions(executor="fiber")

@@ -42,6 +42,17 @@ def test_export_scores_exactly_as_evaluation(tmp_path, model, embedding):
         assert torch.equal(served(batch), torch.sigmoid(want))
 
 
+def _dlrm_export(folder, rows: int = 16) -> tuple[str, list]:
+    """A DLRM with EmbeddingVariables trained 3 steps on the Criteo sample, exported into `folder`; and
+    `rows` of the sample's rows as JSON values."""
+    data = sample_path("criteo_sample.txt")
+    trainer = Trainer(TrainConfig.create(model="dlrm", data=[data], steps=3, batch_size=64, embedding="variable",
+                                         progress=False))
+    trainer.train()
+    path = dr.export(trainer.model, str(folder / "export"), schema=trainer.schema, model_name="dlrm", step=3)
+    return path, _json_rows(data, trainer.schema, rows)
+
+
 def _json_rows(path, schema, n):
     import csv
 

@@ -16,23 +16,16 @@ from starlette.testclient import TestClient
 
 import deeprec as dr
 from deeprec.atomic import sha256_file
-from deeprec.cli import sample_path
 from deeprec.serving.online import ExportFolder
 from deeprec.serving.server import make_app
 from deeprec.trainer import TrainConfig, Trainer
 
-from test_serving import _json_rows
+from test_serving import _dlrm_export
 
 
 @pytest.fixture(scope="module")
 def dlrm(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("harden")
-    data = sample_path("criteo_sample.txt")
-    trainer = Trainer(TrainConfig.create(model="dlrm", data=[data], steps=3, batch_size=64, embedding="variable",
-                                         progress=False))
-    trainer.train()
-    path = dr.export(trainer.model, str(tmp / "export"), schema=trainer.schema, model_name="dlrm", step=3)
-    return path, _json_rows(data, trainer.schema, 16)
+    return _dlrm_export(tmp_path_factory.mktemp("harden"))
 
 
 @pytest.fixture(scope="module")

@@ -9,25 +9,20 @@ import torch
 
 import deeprec as dr
 from deeprec.cli import sample_path
-from deeprec.trainer import TrainConfig, Trainer
+from deeprec.trainer import Trainer
 
-from test_serving import _json_rows
+from test_serving import _dlrm_export, _json_rows
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serve")
-    data = sample_path("criteo_sample.txt")
-    trainer = Trainer(TrainConfig.create(model="dlrm", data=[data], steps=3, batch_size=64, embedding="variable",
-                                         progress=False))
-    trainer.train()
-    path = dr.export(trainer.model, str(tmp / "export"), schema=trainer.schema, model_name="dlrm", step=3)
+    path, rows = _dlrm_export(tmp_path_factory.mktemp("serve"), rows=64)
     proc = subprocess.Popen([sys.executable, "-m", "deeprec", "serve", path, "--port", "0", "--max-wait-ms", "20"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     assert line.startswith("listening on http://127.0.0.1:"), (line, proc.stderr.read() if proc.poll() else "")
     url = line.split()[-1]
-    yield url, dr.serving.load(path), _json_rows(data, trainer.schema, 64)
+    yield url, dr.serving.load(path), rows
     proc.terminate()
     proc.wait(20)
 

@@ -26,8 +26,8 @@ import torch
 import torch.fx
 from torch import nn
 
-from deeprec.errors import ConfigError, check_choice
-from deeprec.options import option
+from deeprec.errors import ConfigError
+from deeprec.options import check_fields, option
 
 POLICIES = ("none", "user", "embedding", "full")
 STREAM_KEY = "stream"
@@ -38,14 +38,12 @@ _marks = threading.local()  # the stream in effect while tracing on this thread
 @dataclass
 class MultiStreamOptions:
     num_streams: int = option(2, "run independent branches of the step on N streams (CUDA) / threads (CPU)",
-                              flag="--multi-stream", metavar="N")
+                              flag="--multi-stream", metavar="N", ge=1)
     policy: str = option("user", "how nodes get streams: dr.stream markers, one per embedding branch, or "
                          "minimum chains", flag="--stream-policy", choices=POLICIES)
 
     def __post_init__(self):
-        if not isinstance(self.num_streams, int) or self.num_streams < 1:
-            raise ConfigError(f"MultiStreamOptions.num_streams must be a positive int, got {self.num_streams!r}")
-        check_choice("MultiStreamOptions.policy", self.policy, POLICIES)
+        check_fields(self, ("optimize", "multi_stream"))  # types, bounds, choices: as declared
 
 
 def _stack() -> list:

@@ -94,10 +94,13 @@ def apply_delta(served, path: str):
     try:
         with open(path) as f:
             manifest = json.load(f)
-        digest, after, step = manifest["sha256"], manifest["after"], int(manifest["step"])
+        digest, after, variables = manifest["sha256"], manifest["after"], list(manifest["variables"])
+        int(manifest["step"])
     except (ValueError, KeyError, TypeError) as err:
         raise ServingError(f"{path}: not a delta manifest ({type(err).__name__}: {err})") from None
     tensors_path = path[: -len(".json")] + ".safetensors"
+    if not os.path.isfile(tensors_path):
+        raise ServingError(f"{tensors_path}: missing (the delta {path} names it)")
     if sha256_file(tensors_path) != digest:
         raise ServingError(f"{tensors_path}: corrupt (its sha256 differs from {path})")
     if after != served.step:
@@ -106,10 +109,13 @@ def apply_delta(served, path: str):
     check_finite(tensors, tensors_path)  # a NaN row or weight would turn every score to NaN
     updated = copy.copy(served)
     updated.module = copy.deepcopy(served.module)
-    for name in manifest["variables"]:
-        frozen = updated.module.get_submodule(name)
-        keys, values = merged(frozen.sorted_keys, frozen.values, tensors.pop(f"{name}.keys"),
-                              tensors.pop(f"{name}.values"), float(frozen.missing_value))
+    for name in variables:
+        try:
+            frozen = updated.module.get_submodule(name)
+            new_keys, new_values = tensors.pop(f"{name}.keys"), tensors.pop(f"{name}.values")
+        except (AttributeError, KeyError) as err:
+            raise ServingError(f"{path}: variable {name!r} is not in the served model or the delta ({err})") from None
+        keys, values = merged(frozen.sorted_keys, frozen.values, new_keys, new_values, float(frozen.missing_value))
         frozen.sorted_keys, frozen.values = keys, values  # the graph reads them by name, whatever their size
     known = dict(updated.module.state_dict())
     dense = {k: v for k, v in tensors.items() if k in known}

@@ -30,6 +30,8 @@ import sys
 import threading
 import time
 
+import torch.distributed as dist
+
 from deeprec.errors import DeepRecError
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -38,6 +40,16 @@ GRACE_S = 15.0  # the watchdog's margin over the timeout: gloo's own error comes
 STORE_TIMEOUT_S = 3.0  # the heartbeat store's answer (rank 0 stopped: it never comes)
 PROBE_S = 2 * STORE_TIMEOUT_S + 2.5 * HEARTBEAT_S + 1  # the most naming the silent rank takes
 _PREFIX = "deeprec/heartbeat/"
+
+
+# what gloo/NCCL say when a peer stopped answering or went away; any other error is a bug: re-raised
+_PEER_FAILURES = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "peer",
+                  "socket", "aborted", "closed by", "nccl communicator")
+
+
+def _peer_failure(err: BaseException) -> bool:
+    text = str(err).lower()
+    return any(word in text for word in _PEER_FAILURES) or isinstance(err, dist.DistBackendError)
 
 
 class CollectiveTimeout(DeepRecError):
@@ -195,7 +207,8 @@ class guard:
         if deadline is None:
             return False
         try:
-            if err is not None and isinstance(err, RuntimeError) and not isinstance(err, DeepRecError):
+            if err is not None and isinstance(err, RuntimeError) and not isinstance(err, DeepRecError) \
+                    and _peer_failure(err):
                 line = deadline.message(self.what, err, waited=time.monotonic() - self.started)
                 deadline.exit_by = time.monotonic() + GRACE_S  # the error's way out must not hang either
                 raise CollectiveTimeout(line) from None
