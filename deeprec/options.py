@@ -66,6 +66,11 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
+def flag_of(f: dataclasses.Field, prefix: str = "") -> str:
+    """The field's flag: its `flag` metadata, else --<prefix><field-name>."""
+    return f.metadata.get("flag") or f"--{prefix}{f.name.replace('_', '-')}"
+
+
 def help_of(cls, f: dataclasses.Field) -> str:
     return f.metadata.get("help") or field_docs(cls).get(f.name) or f.name.replace("_", " ")
 
@@ -119,7 +124,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls, path: tuple[str, ...] = 
                 group = parser.add_argument_group(meta.get("title", f.name), summary or None)
             add_arguments(group, nested, path + (f.name,), meta.get("prefix", prefix), default)
             continue
-        flag = meta.get("flag") or f"--{prefix}{f.name.replace('_', '-')}"
+        flag = flag_of(f, prefix)
         shown = "" if default is None or default == [] else f" (default: {_shown(default)})"
         kwargs: dict[str, Any] = dict(dest=".".join(path + (f.name,)), default=argparse.SUPPRESS,
                                       help=help_of(cls, f) + shown)
@@ -218,7 +223,7 @@ def flat_names(cls, path: tuple = (), prefix: str = "") -> dict[str, tuple[str, 
         if meta.get("key"):
             out[meta["key"]] = path + (f.name,)
         if path and meta.get("cli", True) is not False:
-            flag = meta.get("flag") or f"--{prefix}{f.name.replace('_', '-')}"
+            flag = flag_of(f, prefix)
             out[flag[2:].replace("-", "_")] = path + (f.name,)
     return out
 
@@ -296,7 +301,7 @@ def where_set(f: dataclasses.Field, path: tuple = (), prefix: str = "") -> str:
     key = ".".join(path + (f.name,))
     if f.metadata.get("cli", True) is False:
         return key
-    flag = f.metadata.get("flag") or f"--{prefix}{f.name.replace('_', '-')}"
+    flag = flag_of(f, prefix)
     return f"{flag} ({key} in a config file)" if path else flag
 
 
