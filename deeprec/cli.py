@@ -360,19 +360,22 @@ def build_parser() -> argparse.ArgumentParser:
     xp.add_argument("--model", help="build this model (module:attribute) instead of the one the checkpoint names")
     xp.set_defaults(func=cmd_export)
 
-    sv = sub.add_parser("serve", help="HTTP JSON inference server of an export (POST /v1/predict)")
-    sv.add_argument("model_dir", help="an export, or a training's --export-dir (followed while serving)")
+    sv = sub.add_parser("serve", help="HTTP inference server of exports: /v1/predict, TF Serving's /v1/models "
+                        "and the Open Inference Protocol (KServe v2, Triton) /v2/models")
+    sv.add_argument("model_dir", help="an export, a training's --export-dir (followed while serving), or a model "
+                    "repository: a folder of those, each served under its folder name")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless given)")
     sv.add_argument("--port", type=port_number, default=8080, help="0: any free port (printed)")
     sv.add_argument("--max-batch", type=at_least(1), default=256, help="rows per model call, concurrent requests merged")
-    sv.add_argument("--max-wait-ms", type=non_negative_float, default=2.0, help="wait for more requests to batch")
+    sv.add_argument("--max-wait-ms", type=non_negative_float, default=0.0, help="extra wait for more requests to "
+                    "batch (default 0: a batch is what queued while the previous one scored)")
     sv.add_argument("--threads", type=at_least(1), default=None, help="torch threads scoring (default: cores - 1)")
     sv.add_argument("--watch-interval", type=positive_float, default=1.0,
                     help="seconds between looks for new deltas/full exports (MODEL_DIR a training's --export-dir)")
     sv.add_argument("--max-rows", type=at_least(1), default=8192, help="rows of one request (more: 400)")
     sv.add_argument("--max-body-bytes", default="8MiB", help="request body size (more: 413), e.g. 8MiB, 65536")
-    sv.add_argument("--token", default=None, help="require 'Authorization: Bearer TOKEN' on /v1/predict (visible in "
-                    "ps: prefer --token-file or DEEPREC_PS_TOKEN)")
+    sv.add_argument("--token", default=None, help="require 'Authorization: Bearer TOKEN' to predict and on model "
+                    "routes (visible in ps: prefer --token-file or DEEPREC_PS_TOKEN)")
     sv.add_argument("--token-file", default=None, help="the token: this file's first line")
     sv.set_defaults(func=cmd_serve)
 

@@ -1,45 +1,47 @@
-"""`deeprec serve MODEL_DIR`: an HTTP JSON inference server with dynamic batching.
+"""`deeprec serve PATH`: an HTTP inference server with dynamic batching, speaking three protocols.
 
-    POST /v1/predict  {"inputs": {"column": [value per row], ...}}  ->  {"scores": [...], "step": N}
-    GET  /healthz     {"status": "ok", "step": N, "model": NAME}  (503 {"status": "not ready", ...})
-    GET  /metrics     Prometheus text: requests by code, latency histogram, batch rows, model step
+    POST /v1/predict                    {"inputs": {"column": [value per row]}} -> {"scores": [...], "step": N}
+                                        {"instances": [{"column": value}, ...]} -> {"predictions": [...], "step": N}
+    POST /v1/models/{name}:predict      the same bodies, TF Serving's answers ({"outputs"} / {"predictions"})
+    GET  /v1/models/{name}[/metadata]   TF Serving's model status and signature
+    GET  /v2, /v2/health/{live,ready}   the Open Inference Protocol (KServe v2, Triton): server, health,
+    GET  /v2/models/{name}[/ready]      model metadata and readiness,
+    POST /v2/models/{name}/infer        inference, JSON or binary tensors (protocols.py)
+    GET  /healthz, /metrics             {"status": "ok", "step": N, "model": NAME}; Prometheus text
 
-    request ──token? (401)──body <= max_body_bytes? (413)──decode + validate (400 "$.json.path: why")──>
-        queue ──batcher: up to max_batch rows or max_wait──> one model call in the scoring thread
-        ──> each request's slice of the scores (checked finite before they are written)
+    request ──token? (401)──body <= max_body_bytes? (413)──decode + validate (400 naming the JSON path)──>
+        the model's queue ──batcher: what queued while the last batch scored, up to max_batch rows──>
+        one model call in the model's scoring thread ──> each request's rows (checked finite)
 
-A client's mistake is a 4xx naming it; a 5xx is the server's own fault (logged with its traceback).
-
-Starlette + uvicorn (ASGI): a small, well-kept stack (FastAPI is built on it); the model runs
-in one background thread so the event loop keeps accepting requests while a batch scores.
+PATH is one export, a training's export dir, or a model repository (repository.py): each model gets its
+own batcher, scoring thread and online-update watcher. A client's mistake is a 4xx naming it; a 5xx
+is the server's own fault (logged with its traceback). Starlette + uvicorn (ASGI).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import os
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
+import zlib
 
-import msgspec
 import torch
 import uvicorn
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
-from deeprec.data.collate import collate
+import deeprec
 from deeprec.errors import ConfigError
-from deeprec.serving import RequestError, ServedModel, ServingError, batch_rows
-from deeprec.serving.export import MANIFEST
-from deeprec.serving.online import ExportFolder
+from deeprec.serving import RequestError
+from deeprec.serving import protocols as p
+from deeprec.serving.repository import Metrics, NonFinite, Served, open_repository
 
 MAX_BODY_BYTES = 8 << 20  # --max-body-bytes: a larger body is a 413, read no further
 MAX_ROWS = 8192  # --max-rows: rows of one request
@@ -47,135 +49,50 @@ MAX_ROWS = 8192  # --max-rows: rows of one request
 log = logging.getLogger("deeprec.serve")
 
 
-class Metrics:
-    def __init__(self):
-        self.registry = CollectorRegistry()
-        self.requests = Counter("deeprec_requests", "predict requests by HTTP status", ["code"],
-                                registry=self.registry)
-        self.latency = Histogram("deeprec_request_latency_seconds", "predict request latency",
-                                 buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5),
-                                 registry=self.registry)
-        self.batch_rows = Histogram("deeprec_batch_rows", "rows per model call (dynamic batching)",
-                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096),
-                                    registry=self.registry)
-        self.step = Gauge("deeprec_model_step", "training step of the model served", registry=self.registry)
-        self.updates = Counter("deeprec_model_updates", "online updates applied (deltas or full exports)",
-                               registry=self.registry)
-        self.update_errors = Counter("deeprec_model_update_errors", "online updates that failed (the model "
-                                     "served stays as it was; the error is logged)", registry=self.registry)
-        self.updates_refused = Counter("deeprec_model_updates_refused", "deltas or full exports refused (corrupt, "
-                                       "non-finite values, a failed probe prediction); never retried, the "
-                                       "model served stays as it was", registry=self.registry)
-        self.ready = Gauge("deeprec_model_ready", "1 if the model served answers a probe prediction",
-                           registry=self.registry)
-
-
-class Batcher:
-    """Merges concurrent requests into model calls of at most `max_batch` rows, waiting at most
-    `max_wait_s` for more once the first request of a batch has arrived."""
-
-    def __init__(self, model: ServedModel, metrics: Metrics, max_batch: int, max_wait_s: float):
-        self.model, self.metrics = model, metrics
-        self.max_batch, self.max_wait_s = max_batch, max_wait_s
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.scorer = ThreadPoolExecutor(1, thread_name_prefix="deeprec-score")
-        self.task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        self.task = asyncio.get_running_loop().create_task(self._run())
-
-    async def submit(self, batch: dict, rows: int) -> tuple[torch.Tensor, ServedModel]:
-        future = asyncio.get_running_loop().create_future()
-        await self.queue.put((batch, rows, future))
-        return await future
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            pending = [await self.queue.get()]
-            rows = pending[0][1]
-            deadline = loop.time() + self.max_wait_s
-            while rows < self.max_batch:
-                try:
-                    item = await asyncio.wait_for(self.queue.get(), max(0.0, deadline - loop.time()))
-                except asyncio.TimeoutError:
-                    break
-                pending.append(item)
-                rows += item[1]
-            model = self.model  # one model per batch: an update swaps it between batches
-            try:
-                merged = collate([b for b, _, _ in pending]) if len(pending) > 1 else pending[0][0]
-                scores = await loop.run_in_executor(self.scorer, model, merged)
-                self.metrics.batch_rows.observe(rows)
-                start = 0
-                for _, n, future in pending:
-                    if not future.done():  # a request cancelled (its client gone) is skipped
-                        future.set_result((scores[start:start + n], model))
-                    start += n
-            except Exception as err:
-                if len(pending) == 1:  # the request learns of it; the batcher goes on
-                    if not pending[0][2].done():
-                        pending[0][2].set_exception(err)
-                    continue
-                for batch, n, future in pending:  # one request must not fail the others: each alone
-                    try:
-                        scores = await loop.run_in_executor(self.scorer, model, batch)
-                        self.metrics.batch_rows.observe(n)
-                        if not future.done():
-                            future.set_result((scores, model))
-                    except Exception as alone:
-                        if not future.done():
-                            future.set_exception(alone)
-
-
 class _TooLarge(Exception):
     pass
 
 
-def make_app(model: ServedModel, max_batch: int = 256, max_wait_ms: float = 2.0, folder=None,
-             watch_interval_s: float = 1.0, *, max_rows: int = MAX_ROWS, max_body_bytes: int = MAX_BODY_BYTES,
-             token: str | None = None) -> Starlette:
-    """`folder` (an ExportFolder): new deltas and full exports in it are applied while serving (a bad
-    one is refused, counted and named in /healthz). `token`: /v1/predict requires
-    `Authorization: Bearer <token>`."""
-    metrics = Metrics()
-    metrics.step.set(model.step)
-    batcher = Batcher(model, metrics, max_batch, max_wait_ms / 1000)
-    health = {"not_ready": model.probe(), "refused": 0}
-    metrics.ready.set(health["not_ready"] is None)
-    if health["not_ready"]:
-        log.error("the model served (step %d) cannot answer: %s", model.step, health["not_ready"])
+class Missing(Exception):
+    """No such model (404), or no model named where several are served (400)."""
+
+    def __init__(self, message: str, status: int = 404):
+        super().__init__(message)
+        self.status = status
+
+
+def _json(value, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(p.dumps(value), status_code=status, media_type="application/json", headers=headers)
+
+
+def make_app(models, max_batch: int = 256, max_wait_ms: float = 0.0, folder=None, watch_interval_s: float = 1.0,
+             *, max_rows: int = MAX_ROWS, max_body_bytes: int = MAX_BODY_BYTES, token: str | None = None) -> Starlette:
+    """`models`: a ServedModel (named by its manifest's "model"), or {name: ServedModel} (a repository:
+    metrics labelled by model). `folder`: the ExportFolder a model follows ({name: folder} for several);
+    new deltas and full exports in it are applied while serving. `token`: the scoring and model routes
+    require `Authorization: Bearer <token>` (health, /v2 and /metrics stay open)."""
+    labelled = isinstance(models, dict)
+    if not labelled:
+        models, folder = {models.manifest["model"]: models}, {models.manifest["model"]: folder}
+    folders = folder if isinstance(folder, dict) else {}
+    metrics = Metrics(labelled)
+    served = {name: Served(name, model, folders.get(name), metrics, max_batch, max_wait_ms / 1000, watch_interval_s)
+              for name, model in models.items()}
     expected = f"Bearer {token}".encode() if token else None
-    decoder = msgspec.json.Decoder()
 
-    def note_refusals() -> None:
-        if folder is None:
-            return
-        for path, why in list(folder.refused.items())[health["refused"]:]:
-            metrics.updates_refused.inc()
-            log.error("online update refused, still serving step %d: %s", batcher.model.step, why)
-        health["refused"] = len(folder.refused)
-
-    note_refusals()  # those refused while loading the model served
-
-    async def watch() -> None:
-        loop, loader = asyncio.get_running_loop(), ThreadPoolExecutor(1, thread_name_prefix="deeprec-update")
-        while True:
-            await asyncio.sleep(watch_interval_s)
-            try:
-                newer = await loop.run_in_executor(loader, folder.refresh, batcher.model)
-            except Exception as err:  # I/O and the like: logged, counted and tried again; the model stays whole
-                metrics.update_errors.inc()
-                log.error("online update failed, still serving step %d: %s", batcher.model.step, err)
-                continue
-            finally:
-                note_refusals()
-            if newer is not None:  # swapped between two batches: a batch reads batcher.model once
-                batcher.model = newer
-                metrics.step.set(newer.step)
-                metrics.updates.inc()
-                health["not_ready"] = None  # the folder probed it (check=ServedModel.probe)
-                metrics.ready.set(1)
+    def find(name: str | None, version: str | None = None) -> Served:
+        if name is None:
+            if len(served) == 1:
+                return next(iter(served.values()))
+            raise Missing(f"this server serves several models ({', '.join(served)}): name one, "
+                          "POST /v1/models/NAME:predict or /v2/models/NAME/infer", 400)
+        found = served.get(name)
+        if found is None:
+            raise Missing(f"no model {name!r} here (serving: {', '.join(served)})")
+        if version is not None and version != str(found.model.step):
+            raise Missing(f"model {name!r} version {version!r} is not served: version {found.model.step} is "
+                          "(the version is the training step of the export served)")
+        return found
 
     async def read_body(request: Request) -> bytes:
         declared = request.headers.get("content-length")
@@ -187,113 +104,215 @@ def make_app(model: ServedModel, max_batch: int = 256, max_wait_ms: float = 2.0,
             if size > max_body_bytes:
                 raise _TooLarge(size)
             chunks.append(chunk)
-        return b"".join(chunks)
+        return _inflated(b"".join(chunks), request.headers.get("content-encoding"), max_body_bytes)
 
-    def decode(body: bytes):
-        try:
-            return decoder.decode(body)
-        except RecursionError:
-            raise RequestError("the body nests deeper than any request may (a request is "
-                               "{\"inputs\": {\"column\": [value per row]}}, a sequence value one list deeper)") from None
-        except msgspec.DecodeError as err:
-            try:  # NaN, Infinity (Python's JSON): NaN is a missing value; an infinity is named at its path
-                return json.loads(body)
-            except RecursionError:
-                raise RequestError("the body nests deeper than any request may") from None
-            except (ValueError, UnicodeDecodeError):
-                raise RequestError(f"the body is not JSON ({err})") from None
+    def authorized(request: Request) -> bool:
+        return expected is None or hmac.compare_digest(
+            request.headers.get("authorization", "").encode("latin-1", "replace"), expected)
 
-    async def predict(request: Request) -> JSONResponse:
-        started = time.perf_counter()
+    def refused() -> Response:
+        return _json({"error": "a bearer token is required: Authorization: Bearer <token>"}, 401,
+                     {"WWW-Authenticate": "Bearer"})
+
+    async def scoring(request: Request, answer) -> Response:
+        """What every scoring route shares: the token, the body limit, a 500 for the server's own faults
+        (logged), the metrics of the model that answered. `answer(request, holder)` names it in holder."""
+        started, holder = time.perf_counter(), []
         try:
-            if expected is not None and not hmac.compare_digest(
-                    request.headers.get("authorization", "").encode("latin-1", "replace"), expected):
-                response = JSONResponse({"error": "a bearer token is required: Authorization: Bearer <token>"},
-                                        status_code=401, headers={"WWW-Authenticate": "Bearer"})
-            else:
-                response = await answer(request)
+            response = refused() if not authorized(request) else await answer(request, holder)
         except _TooLarge as err:
-            response = JSONResponse({"error": f"the body is over {max_body_bytes} bytes (--max-body-bytes): "
-                                              f"{err.args[0]}{'+' if request.headers.get('content-length') is None else ''} "
-                                              f"bytes; split the request"}, status_code=413)
+            response = _json({"error": f"the body is over {max_body_bytes} bytes (--max-body-bytes): {err.args[0]}"
+                                       f"{'+' if request.headers.get('content-length') is None else ''} bytes; "
+                                       "split the request"}, 413)
+        except NonFinite:
+            response = _json({"error": "the model gave non-finite scores (logged by the server)"}, 500)
         except Exception:  # a bug of the server, never the client's: logged with its traceback
             log.exception("predict failed")
-            response = JSONResponse({"error": "internal error (logged by the server)"}, status_code=500)
-        metrics.requests.labels(code=str(response.status_code)).inc()  # as sent
-        metrics.latency.observe(time.perf_counter() - started)
+            response = _json({"error": "internal error (logged by the server)"}, 500)
+        name = holder[0].name if holder else None
+        metrics.count(name, response.status_code)  # as sent
+        if holder:
+            holder[0].latency.observe(time.perf_counter() - started)
         return response
 
-    async def answer(request: Request) -> JSONResponse:
-        try:
-            body = decode(await read_body(request))
-            if not isinstance(body, dict) or not isinstance(body.get("inputs"), dict):
-                raise RequestError("the body must be {\"inputs\": {\"column\": [value per row], ...}}")
-            model = batcher.model
-            batch = model.batch(body["inputs"], "$.inputs", max_rows)
-        except RequestError as err:
-            return JSONResponse({"error": str(err), "path": err.path}, status_code=400)
-        if health["not_ready"] is not None:
-            return JSONResponse({"error": f"the model served cannot answer: {health['not_ready']}"}, status_code=503)
-        scores, served = await batcher.submit(batch, batch_rows(batch))
-        if not bool(torch.isfinite(scores).all()):  # never the client's fault: its values were checked
-            log.error("the model served (step %d) gave non-finite scores to a request", served.step)
-            return JSONResponse({"error": "the model gave non-finite scores (logged by the server)"}, status_code=500)
-        return JSONResponse({"scores": _scores(scores, served.labels), "step": served.step})
+    def v1_route(tf: bool):
+        async def answer(request: Request, holder: list) -> Response:
+            target, version = request.path_params.get("target"), request.path_params.get("version")
+            name = request.path_params.get("name")
+            if target is not None:
+                name, _, verb = target.rpartition(":")
+                if verb != "predict" or not name:
+                    return _json({"error": f"{request.url.path}: POST /v1/models/NAME:predict (classify and "
+                                           "regress are not served)"}, 404)
+            try:
+                model_served = find(name, version)
+            except Missing as err:
+                return _json({"error": str(err), "path": "$"}, err.status)
+            holder.append(model_served)
+            try:
+                model = model_served.model
+                columns, style = p.v1_columns(p.loads(await read_body(request)), model)
+                try:
+                    batch = model.batch(columns, f"$.{style}", max_rows)
+                except RequestError as err:
+                    raise p.at_rows(err) if style == "instances" else err
+            except RequestError as err:
+                return _json({"error": str(err), "path": err.path}, 400)
+            if model_served.not_ready is not None:
+                return _json({"error": f"the model served cannot answer: {model_served.not_ready}"}, 503)
+            scores, scored = await model_served.score(batch)
+            return _json(p.v1_answer(scores, scored, style, tf, scored.step))
 
-    async def healthz(request: Request) -> JSONResponse:
-        model = batcher.model
-        payload = {"status": "ok" if health["not_ready"] is None else "not ready", "step": model.step,
-                   "model": model.manifest["model"]}
-        if health["not_ready"] is not None:
-            payload["reason"] = health["not_ready"]
-        if folder is not None and folder.refused:
-            last = next(reversed(folder.refused))
-            payload["refused_updates"] = len(folder.refused)
-            payload["last_refused"] = {"path": last, "reason": folder.refused[last]}
-        return JSONResponse(payload, status_code=200 if health["not_ready"] is None else 503)
+        async def route(request: Request) -> Response:
+            return await scoring(request, answer)
+
+        return route
+
+    async def v2_answer(request: Request, holder: list) -> Response:
+        try:
+            model_served = find(request.path_params["name"], request.path_params.get("version"))
+        except Missing as err:
+            return _json({"error": str(err)}, err.status)
+        holder.append(model_served)
+        model = model_served.model
+        try:
+            infer = p.v2_request(await read_body(request), request.headers.get("inference-header-content-length"),
+                                 model)
+            try:
+                batch = model.batch(p.v2_columns(infer, model), "$.inputs", max_rows)
+            except RequestError as err:
+                raise p.at_inputs(err, infer)
+        except RequestError as err:
+            return _json({"error": str(err)}, 400)
+        if model_served.not_ready is not None:
+            return _json({"error": f"model {model_served.name!r} cannot answer: {model_served.not_ready}"}, 503)
+        scores, scored = await model_served.score(batch)
+        body, headers = p.v2_answer(model_served.name, scored, infer, scores)
+        return Response(body, headers=headers)
+
+    def described(describe, guarded: bool = True):
+        """A GET route about one model: describe(served) -> (body, status); 404 for no such model."""
+        async def route(request: Request) -> Response:
+            if guarded and not authorized(request):
+                return refused()
+            try:
+                found = find(request.path_params["name"], request.path_params.get("version"))
+            except Missing as err:
+                return _json({"error": str(err)}, err.status)
+            body, status = describe(found)
+            return _json(body, status)
+
+        return route
+
+    async def healthz(request: Request) -> Response:
+        ready = all(s.not_ready is None for s in served.values())
+        if labelled:
+            payload = {"status": "ok" if ready else "not ready", "models": {n: s.health() for n, s in served.items()}}
+        else:
+            payload = next(iter(served.values())).health()
+        return _json(payload, 200 if ready else 503)
+
+    async def live(request: Request) -> Response:
+        return _json({"live": True})
+
+    async def ready(request: Request) -> Response:
+        ok = all(s.not_ready is None for s in served.values())
+        return _json({"ready": ok}, 200 if ok else 503)
+
+    async def server_metadata(request: Request) -> Response:
+        return _json({"name": "deeprec", "version": deeprec.__version__,
+                      "extensions": ["binary_tensor_data", "model_configuration"]})
+
+    async def repository_index(request: Request) -> Response:
+        if not authorized(request):
+            return refused()
+        return _json([{"name": n, "version": str(s.model.step), "state": "READY" if s.not_ready is None else
+                       "UNAVAILABLE", "reason": s.not_ready or ""} for n, s in served.items()])
+
     async def prometheus(request: Request) -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        batcher.start()
-        watcher = asyncio.get_running_loop().create_task(watch()) if folder is not None else None
+        loop = asyncio.get_running_loop()
+        watchers = []
+        for s in served.values():
+            s.batcher.start()
+            if s.folder is not None:
+                watchers.append(loop.create_task(s.watch()))
         yield
-        if watcher is not None:
-            watcher.cancel()
-        batcher.task.cancel()
-        batcher.scorer.shutdown(wait=True)
+        for task in [*watchers, *(s.batcher.task for s in served.values())]:
+            task.cancel()
+        for s in served.values():
+            s.batcher.scorer.shutdown(wait=True)
 
-    app = Starlette(routes=[Route("/v1/predict", predict, methods=["POST"]), Route("/healthz", healthz),
-                            Route("/metrics", prometheus)], lifespan=lifespan)
+    def model_ready(s: Served):
+        return {"name": s.name, "ready": s.not_ready is None}, 200 if s.not_ready is None else 503
+
+    metadata = described(lambda s: (p.v2_metadata(s.name, s.model), 200))
+    status = described(lambda s: (p.tf_status(s.model, s.not_ready), 200))
+    v1, tf = v1_route(False), v1_route(True)
+
+    async def v2(request: Request) -> Response:
+        return await scoring(request, v2_answer)
+
+    routes = [Route("/v1/predict", v1, methods=["POST"]), Route("/healthz", healthz), Route("/metrics", prometheus),
+              Route("/v1/models/{target}", tf, methods=["POST"]),
+              Route("/v1/models/{name}/versions/{version}:predict", tf, methods=["POST"]),
+              Route("/v1/models/{name}", status), Route("/v1/models/{name}/versions/{version}", status),
+              Route("/v1/models/{name}/metadata", described(lambda s: (p.tf_metadata(s.name, s.model), 200))),
+              Route("/v2", server_metadata), Route("/v2/health/live", live), Route("/v2/health/ready", ready),
+              Route("/v2/repository/index", repository_index, methods=["POST"]),
+              Route("/v2/models/{name}", metadata), Route("/v2/models/{name}/versions/{version}", metadata),
+              Route("/v2/models/{name}/ready", described(model_ready, guarded=False)),
+              Route("/v2/models/{name}/versions/{version}/ready", described(model_ready, guarded=False)),
+              Route("/v2/models/{name}/config", described(lambda s: (p.triton_config(s.name, s.model), 200))),
+              Route("/v2/models/{name}/infer", v2, methods=["POST"]),
+              Route("/v2/models/{name}/versions/{version}/infer", v2, methods=["POST"])]
+    app = Starlette(routes=routes, lifespan=lifespan)
     app.state.metrics = metrics
     return app
 
 
-def _scores(scores: torch.Tensor, labels: list[str]):
-    if scores.dim() == 1:
-        return scores.tolist()
-    return {name: scores[:, k].tolist() for k, name in enumerate(labels)}
+def _inflated(body: bytes, encoding: str | None, limit: int) -> bytes:
+    """A body sent with Content-Encoding gzip or deflate (tritonclient's request compression), inflated
+    up to `limit` bytes (more: 413)."""
+    if encoding is None or encoding.strip().lower() in ("", "identity"):
+        return body
+    wbits = {"gzip": 31, "deflate": 15}.get(encoding.strip().lower())
+    if wbits is None:
+        raise RequestError(f"Content-Encoding {encoding!r} is not served (gzip, deflate or none)")
+    inflater = zlib.decompressobj(wbits)
+    try:
+        out = inflater.decompress(body, limit + 1)
+    except zlib.error as err:
+        raise RequestError(f"the body is not {encoding.strip().lower()} ({err})") from None
+    if len(out) > limit:
+        raise _TooLarge(len(out))
+    if not inflater.eof:
+        raise RequestError(f"the {encoding.strip().lower()} body ends before its end")
+    return out
 
 
 def serve(path: str, host: str = "127.0.0.1", port: int = 8080, max_batch: int = 256,
-          max_wait_ms: float = 2.0, threads: int | None = None, watch_interval_s: float = 1.0, *,
+          max_wait_ms: float = 0.0, threads: int | None = None, watch_interval_s: float = 1.0, *,
           max_rows: int = MAX_ROWS, max_body_bytes: int = MAX_BODY_BYTES, token: str | None = None) -> None:
-    """Serve the export at `path` until interrupted; prints `listening on http://host:port` when ready.
-    `threads`: torch intra-op threads of the scoring thread (default: cores - 1, leaving one core to the
-    event loop that parses requests: background + intra-op <= cores). `token`: required on /v1/predict."""
+    """Serve the export, export dir or model repository at `path` until interrupted; prints
+    `listening on http://host:port` when ready. `threads`: torch intra-op threads of the scoring
+    threads (default: cores - 1, leaving one core to the event loop that parses requests)."""
     from deeprec.security import is_loopback
 
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
-    if os.path.exists(os.path.join(path, MANIFEST)):
-        folder, model = None, ServedModel(path)
-    elif os.path.isdir(path):  # a training's export dir: bad exports and deltas refused, the last good one served
-        folder = ExportFolder(path, lenient=True, check=lambda m: m.probe())
-        model = folder.load()
+    opened, repository = open_repository(path)
+    models = {name: model for name, (model, _) in opened.items()}
+    folders = {name: folder for name, (_, folder) in opened.items()}
+    if repository:
+        app = make_app(models, max_batch, max_wait_ms, folders, watch_interval_s, max_rows=max_rows,
+                       max_body_bytes=max_body_bytes, token=token)
     else:
-        raise ServingError(f"{path}: no such export")
-    app = make_app(model, max_batch, max_wait_ms, folder, watch_interval_s, max_rows=max_rows,
-                   max_body_bytes=max_body_bytes, token=token)
+        (name, model), = models.items()
+        app = make_app(model, max_batch, max_wait_ms, folders[name], watch_interval_s, max_rows=max_rows,
+                       max_body_bytes=max_body_bytes, token=token)
     if token is None and not is_loopback(f"{host}:{port}"):
         log.warning("serving on %s without a token: anyone who reaches it may predict (--token-file)", host)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -307,4 +326,6 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 8080, max_batch: int =
                           "--port (0: any free one)") from None
     sock.listen(1024)  # connections wait in the backlog until uvicorn accepts
     print(f"listening on http://{host}:{sock.getsockname()[1]}", flush=True)
+    if repository:
+        print(f"models: {', '.join(models)}", flush=True)
     uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])

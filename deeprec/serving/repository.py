@@ -1,0 +1,241 @@
+"""The models `deeprec serve PATH` serves: one export, one training's export dir, or a model repository,
+each with its batcher, scoring thread, health, metrics and online-update watcher.
+
+    PATH/manifest.json                   one export, served under its manifest's "model" name
+    PATH/full-<step>/, delta-<step>.*    a training's --export-dir, followed while serving (online)
+    PATH/<name>/...                      a model repository, as Triton's: each folder one of the two
+                                         above, served as <name> (letters, digits, _ . -)
+
+Folders whose name starts with "." are skipped (an export being written stages in `.export-*`).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from deeprec.data.collate import batch_rows, collate
+from deeprec.serving import ServedModel, ServingError
+from deeprec.serving.export import MANIFEST
+from deeprec.serving.online import ExportFolder
+
+log = logging.getLogger("deeprec.serve")
+NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+_ONLINE = re.compile(r"^(full-\d+|delta-\d+\.json)$")
+
+
+def is_export(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def is_export_dir(path: str) -> bool:
+    """A training's --export-dir: it holds a full export or a delta (full-<step>/, delta-<step>.json)."""
+    return os.path.isdir(path) and any(_ONLINE.match(name) for name in os.listdir(path))
+
+
+def open_model(path: str) -> tuple[ServedModel, ExportFolder | None]:
+    """The model at `path` (an export or a training's export dir) and the folder to follow, if any.
+    An export dir is lenient: bad exports and deltas refused, the last good one served."""
+    if is_export(path):
+        return ServedModel(path), None
+    folder = ExportFolder(path, lenient=True, check=lambda m: m.probe())
+    return folder.load(), folder
+
+
+def open_repository(path: str) -> tuple[dict[str, tuple[ServedModel, ExportFolder | None]], bool]:
+    """({name: (model, folder)}, is a repository). One export or export dir is one model named by its
+    manifest; a repository's models are named by their folders. A folder that is neither: ServingError."""
+    if is_export(path) or is_export_dir(path):
+        model, folder = open_model(path)
+        return {model.manifest["model"]: (model, folder)}, False
+    if not os.path.isdir(path):
+        raise ServingError(f"{path}: no such export")
+    names = sorted(n for n in os.listdir(path) if not n.startswith(".") and os.path.isdir(os.path.join(path, n)))
+    if not names:
+        raise ServingError(f"{path}: no export: neither an export (manifest.json), a training's export dir "
+                           "(full-<step>/) nor a model repository (one of those per model folder)")
+    models = {}
+    for name in names:
+        sub = os.path.join(path, name)
+        if not NAME.match(name):
+            raise ServingError(f"{sub}: a model's folder name is its name in URLs: letters, digits, _ . - only")
+        if not (is_export(sub) or is_export_dir(sub)):
+            raise ServingError(f"{sub}: neither an export (manifest.json) nor a training's export dir "
+                               "(full-<step>/): each folder of a model repository is one of those")
+        models[name] = open_model(sub)
+    return models, True
+
+
+class Metrics:
+    """The server's Prometheus metrics; serving a repository, each has a `model` label."""
+
+    def __init__(self, labelled: bool):
+        self.registry, self.labelled = CollectorRegistry(), labelled
+        model = ["model"] if labelled else []
+        r = self.registry
+        self.requests = Counter("deeprec_requests", "predict requests by HTTP status", [*model, "code"], registry=r)
+        self.latency = Histogram("deeprec_request_latency_seconds", "predict request latency", model, registry=r,
+                                 buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5))
+        self.batch_rows = Histogram("deeprec_batch_rows", "rows per model call (dynamic batching)", model,
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096), registry=r)
+        self.step = Gauge("deeprec_model_step", "training step of the model served", model, registry=r)
+        self.updates = Counter("deeprec_model_updates", "online updates applied (deltas or full exports)", model,
+                               registry=r)
+        self.update_errors = Counter("deeprec_model_update_errors", "online updates that failed (the model "
+                                     "served stays as it was; the error is logged)", model, registry=r)
+        self.updates_refused = Counter("deeprec_model_updates_refused", "deltas or full exports refused (corrupt, "
+                                       "non-finite values, a failed probe prediction); never retried, the "
+                                       "model served stays as it was", model, registry=r)
+        self.ready = Gauge("deeprec_model_ready", "1 if the model served answers a probe prediction", model,
+                           registry=r)
+
+    def of(self, metric, name: str):
+        """`metric`'s series for the model `name`."""
+        return metric.labels(model=name) if self.labelled else metric
+
+    def count(self, name: str | None, code: int) -> None:
+        """A request answered; `name` None: no model matched (model="" when labelled)."""
+        labels = {"model": name or ""} if self.labelled else {}
+        self.requests.labels(code=str(code), **labels).inc()
+
+
+def _score(model: ServedModel, batches: list) -> np.ndarray:
+    """One model call for several requests (in the scoring thread: merging and scoring off the event loop)."""
+    return model(collate(batches) if len(batches) > 1 else batches[0]).numpy()
+
+
+class Batcher:
+    """Merges concurrent requests into model calls. Greedy: a batch is every request that queued while
+    the previous one scored (up to `max_batch` rows), so a lone request is scored at once; `max_wait_s`
+    (--max-wait-ms, default 0) waits that much longer for company."""
+
+    def __init__(self, model: ServedModel, rows_metric, max_batch: int, max_wait_s: float):
+        self.model, self.rows_metric = model, rows_metric
+        self.max_batch, self.max_wait_s = max_batch, max_wait_s
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.scorer = ThreadPoolExecutor(1, thread_name_prefix="deeprec-score")
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def submit(self, batch: dict, rows: int) -> tuple[np.ndarray, ServedModel]:
+        future = asyncio.get_running_loop().create_future()
+        await self.queue.put((batch, rows, future))
+        return await future
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            pending = [await self.queue.get()]
+            rows = pending[0][1]
+            while rows < self.max_batch and not self.queue.empty():
+                pending.append(self.queue.get_nowait())
+                rows += pending[-1][1]
+            deadline = loop.time() + self.max_wait_s
+            while rows < self.max_batch and self.max_wait_s > 0:
+                try:
+                    item = await asyncio.wait_for(self.queue.get(), max(0.0, deadline - loop.time()))
+                except asyncio.TimeoutError:
+                    break
+                pending.append(item)
+                rows += item[1]
+            model = self.model  # one model per batch: an update swaps it between batches
+            try:
+                scores = await loop.run_in_executor(self.scorer, _score, model, [b for b, _, _ in pending])
+                self.rows_metric.observe(rows)
+                start = 0
+                for _, n, future in pending:
+                    if not future.done():  # a request cancelled (its client gone) is skipped
+                        future.set_result((scores[start:start + n], model))
+                    start += n
+            except Exception as err:
+                if len(pending) == 1:  # the request learns of it; the batcher goes on
+                    if not pending[0][2].done():
+                        pending[0][2].set_exception(err)
+                    continue
+                for batch, n, future in pending:  # one request must not fail the others: each alone
+                    try:
+                        scores = await loop.run_in_executor(self.scorer, _score, model, [batch])
+                        self.rows_metric.observe(n)
+                        if not future.done():
+                            future.set_result((scores, model))
+                    except Exception as alone:
+                        if not future.done():
+                            future.set_exception(alone)
+
+
+class NonFinite(Exception):
+    """The model gave a NaN or an infinity: the server's fault (the request's values were checked)."""
+
+
+class Served:
+    """One model served: its batcher, health (a probe prediction at start and before each update is
+    taken) and the export folder it follows, if any."""
+
+    def __init__(self, name: str, model: ServedModel, folder, metrics: Metrics, max_batch: int,
+                 max_wait_s: float, watch_interval_s: float):
+        self.name, self.folder, self.metrics, self.watch_interval_s = name, folder, metrics, watch_interval_s
+        self.latency, self.step = metrics.of(metrics.latency, name), metrics.of(metrics.step, name)
+        self.ready, self.updates = metrics.of(metrics.ready, name), metrics.of(metrics.updates, name)
+        self.batcher = Batcher(model, metrics.of(metrics.batch_rows, name), max_batch, max_wait_s)
+        self.step.set(model.step)
+        self.not_ready, self.refused_seen = model.probe(), 0
+        self.ready.set(self.not_ready is None)
+        if self.not_ready:
+            log.error("model %s (step %d) cannot answer: %s", name, model.step, self.not_ready)
+        self.note_refusals()  # those refused while loading the model served
+
+    @property
+    def model(self) -> ServedModel:
+        return self.batcher.model
+
+    def note_refusals(self) -> None:
+        if self.folder is None:
+            return
+        for _, why in list(self.folder.refused.items())[self.refused_seen:]:
+            self.metrics.of(self.metrics.updates_refused, self.name).inc()
+            log.error("online update refused, model %s still serving step %d: %s", self.name, self.model.step, why)
+        self.refused_seen = len(self.folder.refused)
+
+    async def watch(self) -> None:
+        loop, loader = asyncio.get_running_loop(), ThreadPoolExecutor(1, thread_name_prefix="deeprec-update")
+        while True:
+            await asyncio.sleep(self.watch_interval_s)
+            try:
+                newer = await loop.run_in_executor(loader, self.folder.refresh, self.model)
+            except Exception as err:  # I/O and the like: logged, counted and tried again; the model stays whole
+                self.metrics.of(self.metrics.update_errors, self.name).inc()
+                log.error("online update failed, model %s still serving step %d: %s", self.name, self.model.step, err)
+                continue
+            finally:
+                self.note_refusals()
+            if newer is not None:  # swapped between two batches: a batch reads batcher.model once
+                self.batcher.model = newer
+                self.step.set(newer.step)
+                self.updates.inc()
+                self.not_ready = None  # the folder probed it (check=ServedModel.probe)
+                self.ready.set(1)
+
+    async def score(self, batch: dict) -> tuple[np.ndarray, ServedModel]:
+        scores, model = await self.batcher.submit(batch, batch_rows(batch))
+        if not np.isfinite(scores).all():  # never the client's fault: its values were checked
+            log.error("model %s (step %d) gave non-finite scores to a request", self.name, model.step)
+            raise NonFinite
+        return scores, model
+
+    def health(self) -> dict:
+        payload = {"status": "ok" if self.not_ready is None else "not ready", "step": self.model.step,
+                   "model": self.model.manifest["model"]}
+        if self.not_ready is not None:
+            payload["reason"] = self.not_ready
+        if self.folder is not None and self.folder.refused:
+            last = next(reversed(self.folder.refused))
+            payload["refused_updates"] = len(self.folder.refused)
+            payload["last_refused"] = {"path": last, "reason": self.folder.refused[last]}
+        return payload
