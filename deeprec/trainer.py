@@ -123,7 +123,7 @@ class Trainer:
         self.exports = None
         if cfg.export.dir and self.strategy.is_chief:
             self.exports = self.strategy.export_writer(cfg.export.dir, self.model, self.schema, canonical(self.spec),
-                                                       self.updater)
+                                                       self.updater, compile=cfg.export.compile)
         if cfg.checkpoint.dir:
             remove_stale_temporaries(self.strategy.checkpoint_dir(cfg.checkpoint.dir))
         if cfg.checkpoint.resume:

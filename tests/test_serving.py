@@ -28,7 +28,7 @@ def _trained(model, embedding, tmp_path):
 def test_export_scores_exactly_as_evaluation(tmp_path, model, embedding):
     trainer, data = _trained(model, embedding, tmp_path)
     path = dr.export(trainer.model, str(tmp_path / "export"), schema=trainer.schema, model_name=model,
-                     step=trainer.step)
+                     step=trainer.step, compile=False)  # the traced program; the compiled one: test_serving_compiled
     served = dr.serving.load(path)
     assert served.step == 3 and served.manifest["model"] == model
     trainer.model.eval()
@@ -119,7 +119,7 @@ def test_cli_export_of_a_checkpoint_scores_as_the_trained_model(tmp_path):
     from deeprec.cli import main
 
     trainer, data = _trained("deepfm", "variable", tmp_path)
-    assert main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "cli")]) == 0
+    assert main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "cli"), "--no-compile"]) == 0
     served = dr.serving.load(str(tmp_path / "cli"))
     assert served.manifest["model"] == "deepfm" and served.step == 3
     batch = next(iter(open_reader([data], 33, schema=trainer.schema)))
@@ -130,7 +130,7 @@ def test_cli_export_of_a_checkpoint_scores_as_the_trained_model(tmp_path):
 
 def _online_cfg(tmp_path, steps, **kw):
     return TrainConfig.create(model="dlrm", data=[sample_path("criteo_sample.txt")], steps=steps, batch_size=16,
-                              embedding="variable", progress=False, seed=2, **kw)
+                              embedding="variable", progress=False, seed=2, export_compile=False, **kw)
 
 
 def test_deltas_bring_the_served_model_to_the_trained_one(tmp_path):

@@ -109,7 +109,9 @@ at::Tensor to_tensor(const std::vector<int64_t>& v) {
   return t;
 }
 
-std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> prepare_bags(
+// One flat list [uniques (F)..., inverse, offsets, weights, counts (F)...]: AOTInductor binds the
+// unbacked sizes of a fallback op's outputs only in a flat list, not in a tuple holding lists.
+std::vector<at::Tensor> prepare_bags(
     at::TensorList values, at::TensorList offsets, int64_t batch, at::IntArrayRef combiners,
     at::IntArrayRef fill_ids, at::IntArrayRef has_fill) {
   const int64_t features = static_cast<int64_t>(values.size());
@@ -149,14 +151,19 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, std::vec
     uniques.push_back(to_tensor(fb.unique));
     counts.push_back(to_tensor(fb.counts));
   }
-  return {uniques, inverse, bag_offsets, weights, counts};
+  std::vector<at::Tensor> out(uniques);
+  out.push_back(inverse);
+  out.push_back(bag_offsets);
+  out.push_back(weights);
+  out.insert(out.end(), counts.begin(), counts.end());
+  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(deeprec, m) {
   m.def("prepare_bags(Tensor[] values, Tensor[] offsets, SymInt batch, int[] combiners, int[] fill_ids, "
-        "int[] has_fill) -> (Tensor[], Tensor, Tensor, Tensor, Tensor[])");
+        "int[] has_fill) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(deeprec, CPU, m) { m.impl("prepare_bags", prepare_bags); }

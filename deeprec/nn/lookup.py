@@ -62,9 +62,12 @@ def prepare_bags(ids: Sequence, combiners: Sequence[str], fill_ids: Sequence):
     for f, part in enumerate(parts):
         if part[2] != batch:
             raise ValueError(f"feature {f} has {part[2]} rows, feature 0 has {batch}")
-    uniques, inverse, offsets, weights, counts = torch.ops.deeprec.prepare_bags(
+    flat = torch.ops.deeprec.prepare_bags(  # one flat list: [uniques (F)..., inverse, offsets, weights, counts (F)...]
         [p[0] for p in parts], [p[1] for p in parts], batch, [_COMBINER_CODES[c] for c in combiners],
         [0 if fill is None else int(fill) for fill in fill_ids], [fill is not None for fill in fill_ids])
+    features = len(parts)
+    uniques, counts = flat[:features], flat[features + 3:]
+    inverse, offsets, weights = flat[features:features + 3]
     device = (ids[0][0] if isinstance(ids[0], tuple) else torch.as_tensor(ids[0])).device
     if device.type != "cpu":  # computed on a host copy (the stage runs on CPU by design)
         uniques, counts = [u.to(device) for u in uniques], [c.to(device) for c in counts]

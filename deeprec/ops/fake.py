@@ -37,8 +37,8 @@ def _(values, offsets, batch, combiners, fill_ids, has_fill):
     ctx = torch.library.get_ctx()
     uniques = [v.new_empty(ctx.new_dynamic_size()) for v in values]
     total = ctx.new_dynamic_size()
-    return (uniques, values[0].new_empty(total), values[0].new_empty(len(values) * batch + 1),
-            values[0].new_empty(total, dtype=torch.float32), [u.new_empty(u.shape[0]) for u in uniques])
+    return [*uniques, values[0].new_empty(total), values[0].new_empty(len(values) * batch + 1),
+            values[0].new_empty(total, dtype=torch.float32), *[u.new_empty(u.shape[0]) for u in uniques]]
 
 
 @torch.library.register_fake("deeprec::ps_index_rows")

@@ -161,11 +161,13 @@ class Strategy(abc.ABC):
 
         return evaluate(model, batches)
 
-    def export_writer(self, directory: str, model: nn.Module, schema, spec: str, updater: Updater):
-        """Writes full exports and deltas of the trained model while it trains (the chief's)."""
+    def export_writer(self, directory: str, model: nn.Module, schema, spec: str, updater: Updater,
+                      compile: bool = True):
+        """Writes full exports (compiled, if `compile`) and deltas of the trained model while it trains
+        (the chief's)."""
         from deeprec.serving.online import ExportWriter
 
-        return ExportWriter(directory, model, schema, spec)
+        return ExportWriter(directory, model, schema, spec, compile=compile)
 
     def summary(self, model: nn.Module, updater: Updater, result: dict) -> dict:
         """This way of training's lines of the run's result (`result`: this process's so far)."""

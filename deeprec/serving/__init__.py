@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import torch
 from safetensors.torch import load_file
@@ -17,6 +18,7 @@ from deeprec.data.collate import collate
 from deeprec.data.schema import schema_from_dict
 from deeprec.errors import ConfigError, DeepRecError
 from deeprec.data.collate import batch_rows
+from deeprec.serving.compiled import CompiledProgram, package_name
 from deeprec.serving.export import FORMAT, MANIFEST, PROGRAM, TABLES, export
 from deeprec.serving.request import RequestError, request_batch
 from deeprec.serving.request import is_columns as _is_json
@@ -26,10 +28,16 @@ class ServingError(DeepRecError):
     """An export that cannot be loaded (missing, corrupt, another format); names the file."""
 
 
-class ServedModel:
-    """An export, loaded: `model(batch)` -> probabilities [B] (or [B, T] for several labels)."""
+class CompiledFallbackWarning(UserWarning):
+    """An export scored by its ExportedProgram, not its compiled package; the message says why."""
 
-    def __init__(self, path: str):
+
+class ServedModel:
+    """An export, loaded: `model(batch)` -> probabilities [B] (or [B, T] for several labels).
+    Scored by the export's compiled package for `device` (serving.compiled) where it has one that
+    runs here, else by the ExportedProgram (a CompiledFallbackWarning names why)."""
+
+    def __init__(self, path: str, device: str = "cpu"):
         manifest_path = os.path.join(path, MANIFEST)
         try:
             with open(manifest_path) as f:
@@ -41,7 +49,8 @@ class ServedModel:
             raise ServingError(f"{manifest_path}: format {found!r}, this deeprec reads {FORMAT}")
         try:
             digests = self.manifest["sha256"]
-            for name in (PROGRAM, TABLES):
+            self.compiled_devices = list(self.manifest.get("compiled", []))  # older exports: none
+            for name in (PROGRAM, TABLES, *(package_name(d) for d in self.compiled_devices)):
                 file = os.path.join(path, name)
                 if not os.path.exists(file) or sha256_file(file) != digests[name]:
                     raise ServingError(f"{file}: missing or corrupt (its sha256 differs from the manifest)")
@@ -56,6 +65,44 @@ class ServedModel:
         with torch.serialization.safe_globals([Ragged]):  # the recorded example inputs hold Ragged batches
             self.module = torch.export.load(os.path.join(path, PROGRAM)).module()
         self.load_tables(os.path.join(path, TABLES))
+        self.device = torch.device(device)
+        self.compiled, self.compiled_reason = self._load_compiled()
+        if self.compiled is None:
+            warnings.warn(f"{path}: scoring with the ExportedProgram (slower): {self.compiled_reason}",
+                          CompiledFallbackWarning, stacklevel=3)
+
+    def _load_compiled(self) -> tuple[CompiledProgram | None, str]:
+        """The AOTInductor package of this device bound to the module's tensors, or (None, why not)."""
+        device = self.device.type
+        if device not in self.compiled_devices:
+            return None, (f"no compiled {device} package in the export (exported with compile=False, "
+                          f"before deeprec wrote one, or on a machine without that device)")
+        capability = self.manifest.get("cpu_capability")
+        if capability != torch.backends.cpu.get_cpu_capability():  # its kernels use that ISA: never run it elsewhere
+            return None, (f"the package was compiled for CPU capability {capability}, this machine has "
+                          f"{torch.backends.cpu.get_cpu_capability()}: export again here")
+        if self.manifest.get("torch") != torch.__version__:
+            return None, f"the package was compiled by torch {self.manifest.get('torch')}, this is {torch.__version__}"
+        try:
+            return CompiledProgram(os.path.join(self.path, package_name(device)), self.module, device), ""
+        except Exception as err:  # whatever the loader raises: the ExportedProgram still scores
+            return None, f"its package did not load ({type(err).__name__}: {err})"
+
+    def recompiled(self) -> None:
+        """After the module's tensors changed (an online update): a fresh runner bound to them, or
+        the ExportedProgram (warned, naming why) if a shape left the compiled one."""
+        if self.compiled is None:
+            return
+        why = self.compiled.fits(self.module)
+        if why is None:
+            try:
+                self.compiled = self.compiled.rebound(self.module)
+                return
+            except Exception as err:
+                why = f"{type(err).__name__}: {err}"
+        self.compiled, self.compiled_reason = None, why
+        warnings.warn(f"{self.path}: step {self.step} scored with the ExportedProgram (slower) until the next full "
+                      f"export: {why}", CompiledFallbackWarning, stacklevel=2)
 
     def load_tables(self, file: str) -> None:
         """The weights from a safetensors file (the export's, or a newer one of the same shapes);
@@ -99,13 +146,14 @@ class ServedModel:
         for name in self.labels:  # the program takes every column; labels only feed the unused loss
             batch.setdefault(name, torch.zeros(rows))
         batch = {c.name: batch[c.name] for c in self.schema.columns if c.kind != "ignore"}
+        program = self.compiled or self.module
         if any(_short(batch[c.name]) for c in self.schema.columns if c.kind == "sequence"):  # 0 or 1 ids: padded
-            out = self.module(collate([batch, self._padding()]))["logits"][:rows]
+            out = program(collate([batch, self._padding()]))["logits"][:rows]
         elif rows == 1:  # torch.export specializes sizes 0 and 1: score the row twice
-            out = self.module(collate([batch, batch]))["logits"][:1]
+            out = program(collate([batch, batch]))["logits"][:1]
         else:
-            out = self.module(batch)["logits"]
-        return out
+            out = program(batch)["logits"]
+        return out.cpu()
 
     def _padding(self) -> dict:
         """2 rows whose every sequence holds 2 ids, scored after a request's rows and dropped:
@@ -161,4 +209,4 @@ def check_finite(tensors: dict, source: str) -> None:
                                    f"{flat.numel()}: refused")
 
 
-__all__ = ["load", "export", "ServedModel", "ServingError", "RequestError"]
+__all__ = ["load", "export", "ServedModel", "ServingError", "RequestError", "CompiledFallbackWarning"]

@@ -3,9 +3,12 @@
     MODEL_DIR/
       program.pt2          torch.export ExportedProgram: raw batch (the reader's format) -> logits,
                            preprocessing (hashing, bucketizing, bags) included as deeprec ops
-      tables.safetensors   the program's weights: dense layers, embedding tables, and each
-                           EmbeddingVariable frozen into sorted keys + values (serving.frozen)
-      manifest.json        format, model, step, schema, label columns, sha256 of each file
+      tables.safetensors   the program's weights and constants: dense layers, embedding tables,
+                           each EmbeddingVariable frozen into sorted keys + values (serving.frozen)
+      program.cpu.pt2      the program compiled by AOTInductor (serving.compiled), no weights:
+                           serving binds those of tables.safetensors (`compile=False`: not written)
+      program.cuda.pt2     the same for CUDA, where a GPU is present
+      manifest.json        format, model, step, schema, label columns, compiled devices, sha256 of each file
 
 The batch dimension is dynamic (traced on a 5-row batch with uneven bags and sequences);
 serving pads a 1-row request to 2 rows, as torch.export specializes sizes 0 and 1.
@@ -22,18 +25,20 @@ import pyarrow as pa
 import torch
 from safetensors.torch import save_file
 from torch.export import Dim, ShapesCollection
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 import deeprec
 from deeprec.atomic import replace_dir, sha256_file
 from deeprec.errors import ConfigError
 from deeprec.data.schema import Schema, schema_to_dict
 from deeprec.progress import progress as show_progress
+from deeprec.serving.compiled import package_name
 from deeprec.serving.frozen import freeze_variables
 
 FORMAT = 1
 PROGRAM, TABLES, MANIFEST = "program.pt2", "tables.safetensors", "manifest.json"
-STAGES = ("freezing variables", "tracing (torch.export)", "writing the program", "writing weights")
+STAGES = ("freezing variables", "tracing (torch.export)", "writing the program", "writing weights",
+          "compiling (AOTInductor)")
 
 
 def example_batch(schema: Schema, rows: int = 5) -> dict:
@@ -65,16 +70,18 @@ def _dynamic_shapes(batch: dict) -> ShapesCollection:
 
 
 def export(model: torch.nn.Module, path: str, *, schema: Schema | None = None, model_name: str | None = None,
-           step: int = 0, progress=None) -> str:
+           step: int = 0, progress=None, compile: bool = True) -> str:
     """Write a self-contained serving export of `model` to the folder `path` (replaced atomically).
-    The model is not changed: a frozen copy is traced. `progress`: the stage under way shown on a
-    terminal (None or True: deeprec.progress's shared console, False: never, or a rich Console)."""
+    The model is not changed: a frozen copy is traced. `compile`: also the AOTInductor packages (CPU,
+    and CUDA where a GPU is present; about 20-40 s each on 2 cores), which serving runs instead of
+    the traced program. `progress`: the stage under way shown on a terminal (None or True:
+    deeprec.progress's shared console, False: never, or a rich Console)."""
     schema = schema or getattr(model, "schema", None)
     if schema is None:
         raise ValueError("export needs the data's schema: dr.export(model, path, schema=...)")
     if os.path.exists(path) and not os.path.isdir(path):  # before the work: an export is a folder
         raise ConfigError(f"--out {path} is a file: an export is a folder (give a new or an export's folder)")
-    with show_progress("export", total=len(STAGES), unit="stages", rate=False, console=progress,
+    with show_progress("export", total=len(STAGES) - (not compile), unit="stages", rate=False, console=progress,
                        transient=True) as shown:
         shown.stage(STAGES[0])
         frozen = copy.deepcopy(model).eval()
@@ -84,11 +91,30 @@ def export(model: torch.nn.Module, path: str, *, schema: Schema | None = None, m
         with torch.no_grad():
             program = torch.export.export(frozen, (batch,), dynamic_shapes=_dynamic_shapes(batch), strict=False)
         shown.stage(STAGES[2])
-        _write(program, model, path, schema, batch, model_name, step, shown)
+        _write(program, model, path, schema, batch, model_name, step, shown, frozen if compile else None)
     return path
 
 
-def _write(program, model, path: str, schema: Schema, batch: dict, model_name, step: int, shown) -> None:
+def _compile(frozen: torch.nn.Module, program, batch: dict, staging: str) -> list[str]:
+    """The AOTInductor packages into `staging`: CPU from `program`; CUDA from a trace of `frozen` on
+    the GPU (preprocessing ops copy their ids to the host themselves). The devices compiled."""
+    from deeprec.serving.compiled import compile_package, package_name
+
+    compile_package(program, os.path.join(staging, package_name("cpu")))
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        on_gpu = copy.deepcopy(frozen).to("cuda")
+        gpu_batch = tree_map(lambda t: t.to("cuda") if isinstance(t, torch.Tensor) else t, batch)
+        with torch.no_grad():
+            gpu_program = torch.export.export(on_gpu, (gpu_batch,), dynamic_shapes=_dynamic_shapes(gpu_batch),
+                                              strict=False)
+        compile_package(gpu_program, os.path.join(staging, package_name("cuda")))
+        devices.append("cuda")
+    return devices
+
+
+def _write(program, model, path: str, schema: Schema, batch: dict, model_name, step: int, shown,
+           frozen=None) -> None:
     """The export's files into a staging folder, then swapped in for `path` (replace_dir)."""
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
@@ -96,12 +122,19 @@ def _write(program, model, path: str, schema: Schema, batch: dict, model_name, s
     try:
         torch.export.save(program, os.path.join(staging, PROGRAM))
         shown.stage(STAGES[3])
-        weights = {k: v.detach().contiguous() for k, v in program.state_dict.items()}
-        save_file(weights, os.path.join(staging, TABLES))
+        tensors = {**program.state_dict, **{k: v for k, v in program.constants.items() if isinstance(v, torch.Tensor)}}
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, os.path.join(staging, TABLES))
+        compiled = []
+        if frozen is not None:
+            shown.stage(STAGES[4])
+            compiled = _compile(frozen, program, batch, staging)
+        files = [PROGRAM, TABLES, *(package_name(d) for d in compiled)]
         manifest = {"format": FORMAT, "model": model_name or type(model).__name__.lower(), "step": int(step),
                     "schema": schema_to_dict(schema), "labels": list(getattr(model, "label_columns", ("label",))),
-                    "inputs": sorted(batch), "deeprec": deeprec.__version__, "torch": torch.__version__,
-                    "sha256": {name: sha256_file(os.path.join(staging, name)) for name in (PROGRAM, TABLES)}}
+                    "inputs": sorted(batch), "compiled": compiled,
+                    "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the ISA the .so's kernels use
+                    "deeprec": deeprec.__version__, "torch": torch.__version__,
+                    "sha256": {name: sha256_file(os.path.join(staging, name)) for name in files}}
         with open(os.path.join(staging, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)
         replace_dir(staging, path)  # every file fsynced, then renamed in (an older export aside, then dropped)

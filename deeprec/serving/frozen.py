@@ -5,8 +5,11 @@
                                                                        (what evaluation reads for an unseen key)
 
 Plain tensor ops, so torch.export captures the lookup; no hash table, no lock, no insert. The
-graph holds no count of keys (the sentinel, int64 max with the missing value as its row, ends
-every search), so an online update may replace the buffers with more keys (`merged`).
+graph holds no count of keys (sentinels, int64 max with the missing value as their rows, end
+every search), so an online update may replace the buffers with more keys (`merged`). The index
+keeps headroom (a quarter more rows, at least 64, as sentinels): a compiled program
+(serving.compiled) has fixed shapes, and deltas that add keys fill the headroom without
+changing them.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ _SENTINEL = torch.iinfo(torch.int64).max  # keeps the index non-empty; never a h
 class FrozenEmbeddingVariable(nn.Module):
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, missing_value: float):
         super().__init__()
-        sorted_keys, table = sorted_index(keys, values, float(missing_value))
+        sorted_keys, table = sorted_index(keys, values, float(missing_value), with_headroom(keys.shape[0]))
         self.register_buffer("sorted_keys", sorted_keys)
         self.register_buffer("values", table)
         self.register_buffer("missing_value", torch.tensor(float(missing_value)))
@@ -45,21 +48,30 @@ class FrozenEmbeddingVariable(nn.Module):
         return self.gather(ids.reshape(-1)).reshape(*ids.shape, self.embedding_dim)
 
 
-def sorted_index(keys: torch.Tensor, values: torch.Tensor, missing_value: float):
-    """(sorted keys + sentinel, their rows + the missing value's row)."""
+def with_headroom(keys: int) -> int:
+    """Rows of a frozen index of `keys` keys: the keys, a quarter more (at least 64), a sentinel."""
+    return keys + max(keys // 4, 64) + 1
+
+
+def sorted_index(keys: torch.Tensor, values: torch.Tensor, missing_value: float, rows: int = 0):
+    """(sorted keys + sentinels, their rows + the missing value's rows): max(rows, keys + 1) rows."""
     order = torch.argsort(keys)
-    fill = torch.full((1, values.shape[1]), missing_value)
-    return (torch.cat([keys[order].to(torch.int64), torch.tensor([_SENTINEL])]),
+    pad = max(rows - keys.shape[0], 1)
+    fill = torch.full((pad, values.shape[1]), missing_value)
+    return (torch.cat([keys[order].to(torch.int64), torch.full((pad,), _SENTINEL)]),
             torch.cat([values[order].float(), fill]))
 
 
 def merged(sorted_keys: torch.Tensor, table: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
            missing_value: float):
-    """A frozen index with `keys` set to `values` (new keys added, known ones overwritten)."""
-    old_keys, old_values = sorted_keys[:-1], table[:-1]
+    """A frozen index with `keys` set to `values` (new keys added, known ones overwritten); as many
+    rows as before while the keys fit (a compiled program keeps its shapes), else grown with headroom."""
+    real = sorted_keys != _SENTINEL
+    old_keys, old_values = sorted_keys[real], table[real]
     known = torch.isin(old_keys, keys)
-    return sorted_index(torch.cat([old_keys[~known], keys.to(torch.int64)]),
-                        torch.cat([old_values[~known], values.float()]), missing_value)
+    all_keys = torch.cat([old_keys[~known], keys.to(torch.int64)])
+    rows = sorted_keys.shape[0] if all_keys.shape[0] < sorted_keys.shape[0] else with_headroom(all_keys.shape[0])
+    return sorted_index(all_keys, torch.cat([old_values[~known], values.float()]), missing_value, rows)
 
 
 def freeze_variables(model: nn.Module) -> int:

@@ -42,8 +42,10 @@ def _variables(model: torch.nn.Module) -> dict:
 class ExportWriter:
     """Writes a training model's full exports and deltas into `directory`."""
 
-    def __init__(self, directory: str, model: torch.nn.Module, schema, model_name: str, keep: int = 2):
+    def __init__(self, directory: str, model: torch.nn.Module, schema, model_name: str, keep: int = 2,
+                 compile: bool = True):
         self.directory, self.model, self.schema, self.model_name, self.keep = directory, model, schema, model_name, keep
+        self.compile = compile
         self.last_step: int | None = None
         self._marks: dict[str, int] = {}  # EmbeddingVariable -> its global_step at the last export
         os.makedirs(directory, exist_ok=True)
@@ -53,7 +55,7 @@ class ExportWriter:
 
     def full(self, step: int) -> str:
         path = export(self.model, os.path.join(self.directory, f"full-{step:09d}"), schema=self.schema,
-                      model_name=self.model_name, step=step)
+                      model_name=self.model_name, step=step, compile=self.compile)
         self._mark()
         self.last_step = step
         fulls = sorted(n for n in os.listdir(self.directory) if _FULL.match(n))
@@ -121,6 +123,7 @@ def apply_delta(served, path: str):
     dense = {k: v for k, v in tensors.items() if k in known}
     updated.module.load_state_dict(dense, strict=False)
     updated.step = int(manifest["step"])
+    updated.recompiled()  # its compiled program bound to the new tensors (or the ExportedProgram, warned)
     return updated
 
 

@@ -1,0 +1,82 @@
+"""The export's compiled serving program: an AOTInductor package of program.pt2.
+
+    program.pt2 ──aoti_compile_and_package (at export)──> program.cpu.pt2   one C++ .so: the graph's
+                                                                            kernels, fused; the deeprec
+                                                                            ops called as their registered
+                                                                            C++ kernels (no Python)
+    serving: CompiledProgram(package, module)  the .so's constants are the ExportedProgram module's
+             own tensors (bound, not copied: `user_managed`), so the package holds no weights and
+             an online update that keeps every shape re-binds a fresh runner to the new tensors.
+
+A package is specific to the torch version and CPU it was compiled for: a load that fails falls back
+to the ExportedProgram (the caller warns, naming the reason). Shapes of constants are fixed at compile
+time, which is why a frozen EmbeddingVariable keeps headroom (serving.frozen): deltas that add keys
+fit in it; one that outgrows it sends scoring back to the ExportedProgram until the next full export.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.utils import _pytree as pytree
+
+# the package's constants stay outside the .so: serving binds the weights of tables.safetensors
+_COMPILE_OPTIONS = {"aot_inductor.package_constants_in_so": False}
+
+
+def package_name(device: str) -> str:
+    return f"program.{device}.pt2"
+
+
+def compile_package(program: torch.export.ExportedProgram, path: str) -> str:
+    """Compile `program` (an ExportedProgram on one device) into an AOTInductor package at `path`."""
+    return torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=_COMPILE_OPTIONS)
+
+
+def constant_tensor(module: torch.nn.Module, fqn: str) -> torch.Tensor:
+    """The tensor `fqn` (a.b.c) names in `module`: a parameter, a buffer or a lifted constant."""
+    owner, _, name = fqn.rpartition(".")
+    return getattr(module.get_submodule(owner) if owner else module, name)
+
+
+class CompiledProgram:
+    """A loaded package bound to `module`'s tensors: `program(batch)` is `module(batch)`, run in C++.
+    Raises whatever the loader raises (another torch, another CPU, a missing constant): callers fall back."""
+
+    def __init__(self, package: str, module: torch.nn.Module, device: str = "cpu"):
+        runner = torch._inductor.aoti_load_package(package)
+        self.package, self.loader, self.device = package, runner.loader, torch.device(device)
+        self.fqns = runner.get_constant_fqns()
+        self.shapes = {fqn: tuple(constant_tensor(module, fqn).shape) for fqn in self.fqns}
+        self._bind(module)
+        in_spec, out_spec = self.loader.get_call_spec()
+        self.in_spec, self.out_spec = pytree.treespec_loads(in_spec), pytree.treespec_loads(out_spec)
+
+    def _bind(self, module: torch.nn.Module) -> None:
+        # on the CPU the module's own tensors (not copied); on a GPU their copies there
+        self.tensors = {fqn: constant_tensor(module, fqn).detach().to(self.device) for fqn in self.fqns}
+        self.loader.load_constants(self.tensors, False, True, True, False)  # active buffer, all, user-managed
+        self.module = module  # keeps the bound tensors alive
+
+    def fits(self, module: torch.nn.Module) -> str | None:
+        """None if `module`'s constants have the compiled shapes, else the first that differs."""
+        for fqn, shape in self.shapes.items():
+            now = tuple(constant_tensor(module, fqn).shape)
+            if now != shape:
+                return f"{fqn} is now {list(now)}, the package was compiled for {list(shape)}"
+        return None
+
+    def rebound(self, module: torch.nn.Module) -> "CompiledProgram":
+        """A fresh runner of the same package bound to `module` (an updated copy of the model): the
+        runner serving now keeps its tensors until it is dropped, so no batch sees a half update."""
+        if not os.path.exists(self.package):
+            raise FileNotFoundError(f"{self.package}: the package is gone (a newer full export replaced it)")
+        return CompiledProgram(self.package, module, str(self.device))
+
+    def __call__(self, batch: dict) -> dict:
+        flat, spec = pytree.tree_flatten(((batch,), {}))
+        if self.device.type != "cpu":
+            flat = [t.to(self.device, non_blocking=True) for t in flat]
+        if spec != self.in_spec:  # another column order or nesting than traced: the ExportedProgram's error
+            raise ValueError(f"the batch's structure differs from the compiled program's: {spec} vs {self.in_spec}")
+        return pytree.tree_unflatten(self.loader.boxed_run(flat), self.out_spec)
