@@ -158,3 +158,17 @@ def test_deltas_keep_the_package_and_bring_it_to_the_trained_model(tmp_path):
     with torch.no_grad():
         want = torch.sigmoid(trainer.model(batch)["logits"])
     torch.testing.assert_close(served(batch), want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_export_holds_a_cuda_package_that_scores_as_the_cpu_one(tmp_path):
+    path, data, schema = _export(tmp_path, "dlrm", "variable")
+    assert dr.serving.load(path).manifest["compiled"] == ["cpu", "cuda"]
+    on_gpu, on_cpu = dr.serving.load(path, device="cuda"), dr.serving.load(path)
+    assert on_gpu.compiled is not None, on_gpu.compiled_reason
+    for size in (64, 3, 1):
+        batch = next(iter(open_reader([data], size, schema=schema)))
+        scores = on_gpu(batch)
+        assert scores.device.type == "cpu"
+        torch.testing.assert_close(scores, on_cpu(batch), rtol=0, atol=1e-5)

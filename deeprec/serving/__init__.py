@@ -78,7 +78,7 @@ class ServedModel:
             return None, (f"no compiled {device} package in the export (exported with compile=False, "
                           f"before deeprec wrote one, or on a machine without that device)")
         capability = self.manifest.get("cpu_capability")
-        if capability != torch.backends.cpu.get_cpu_capability():  # its kernels use that ISA: never run it elsewhere
+        if device == "cpu" and capability != torch.backends.cpu.get_cpu_capability():  # its kernels use that ISA
             return None, (f"the package was compiled for CPU capability {capability}, this machine has "
                           f"{torch.backends.cpu.get_cpu_capability()}: export again here")
         if self.manifest.get("torch") != torch.__version__:
@@ -175,16 +175,17 @@ class ServedModel:
         return torch.sigmoid(self.logits(batch))
 
 
-def load(path: str, upto_step: int | None = None) -> ServedModel:
+def load(path: str, upto_step: int | None = None, device: str = "cpu") -> ServedModel:
     """An export folder (manifest.json inside), or a training run's export dir: its newest full
-    export plus the deltas after it (up to `upto_step` if given)."""
+    export plus the deltas after it (up to `upto_step` if given). `device`: the compiled package
+    that scores ("cuda": the export's CUDA package; scores come back on the CPU)."""
     if os.path.exists(os.path.join(path, MANIFEST)):
-        return ServedModel(path)
+        return ServedModel(path, device)
     from deeprec.serving.online import ExportFolder
 
     if not os.path.isdir(path):
         raise ServingError(f"{path}: no such export")
-    return ExportFolder(path).load(upto_step)
+    return ExportFolder(path, device=device).load(upto_step)
 
 
 def _short(value) -> bool:

@@ -4,9 +4,11 @@
                                                                             kernels, fused; the deeprec
                                                                             ops called as their registered
                                                                             C++ kernels (no Python)
-    serving: CompiledProgram(package, module)  the .so's constants are the ExportedProgram module's
-             own tensors (bound, not copied: `user_managed`), so the package holds no weights and
-             an online update that keeps every shape re-binds a fresh runner to the new tensors.
+    serving: CompiledProgram(package, module)  the .so's constants re-bound to the ExportedProgram
+             module's own tensors (not copied: `user_managed`), so the weights in memory are those of
+             tables.safetensors, once, and an online update that keeps every shape re-binds a fresh
+             runner to the new tensors. The package keeps its own copy of the weights: constants that
+             inductor makes itself (a folded `torch.tensor` literal) exist nowhere else.
 
 A package is specific to the torch version and CPU it was compiled for: a load that fails falls back
 to the ExportedProgram (the caller warns, naming the reason). Shapes of constants are fixed at compile
@@ -20,8 +22,7 @@ import os
 import torch
 from torch.utils import _pytree as pytree
 
-# the package's constants stay outside the .so: serving binds the weights of tables.safetensors
-_COMPILE_OPTIONS = {"aot_inductor.package_constants_in_so": False}
+_COMPILE_OPTIONS: dict = {}
 
 
 def package_name(device: str) -> str:
@@ -39,6 +40,13 @@ def constant_tensor(module: torch.nn.Module, fqn: str) -> torch.Tensor:
     return getattr(module.get_submodule(owner) if owner else module, name)
 
 
+def _has(module: torch.nn.Module, fqn: str) -> bool:
+    try:
+        return isinstance(constant_tensor(module, fqn), torch.Tensor)
+    except AttributeError:
+        return False
+
+
 class CompiledProgram:
     """A loaded package bound to `module`'s tensors: `program(batch)` is `module(batch)`, run in C++.
     Raises whatever the loader raises (another torch, another CPU, a missing constant): callers fall back."""
@@ -46,7 +54,7 @@ class CompiledProgram:
     def __init__(self, package: str, module: torch.nn.Module, device: str = "cpu"):
         runner = torch._inductor.aoti_load_package(package)
         self.package, self.loader, self.device = package, runner.loader, torch.device(device)
-        self.fqns = runner.get_constant_fqns()
+        self.fqns = [fqn for fqn in runner.get_constant_fqns() if _has(module, fqn)]  # the rest: the package's
         self.shapes = {fqn: tuple(constant_tensor(module, fqn).shape) for fqn in self.fqns}
         self._bind(module)
         in_spec, out_spec = self.loader.get_call_spec()
@@ -55,7 +63,7 @@ class CompiledProgram:
     def _bind(self, module: torch.nn.Module) -> None:
         # on the CPU the module's own tensors (not copied); on a GPU their copies there
         self.tensors = {fqn: constant_tensor(module, fqn).detach().to(self.device) for fqn in self.fqns}
-        self.loader.load_constants(self.tensors, False, True, True, False)  # active buffer, all, user-managed
+        self.loader.load_constants(self.tensors, False, False, True, False)  # active buffer, these, user-managed
         self.module = module  # keeps the bound tensors alive
 
     def fits(self, module: torch.nn.Module) -> str | None:

@@ -135,8 +135,8 @@ class ExportFolder:
     order; never tried again), and the model stays at the last good version. `check(model)` -> why
     not, or None: a last test of each new model before it is taken (the server's probe prediction)."""
 
-    def __init__(self, directory: str, lenient: bool = False, check=None):
-        self.directory, self.lenient, self.check = directory, lenient, check
+    def __init__(self, directory: str, lenient: bool = False, check=None, device: str = "cpu"):
+        self.directory, self.lenient, self.check, self.device = directory, lenient, check, device
         self.refused: dict[str, str] = {}
 
     def _fulls(self) -> list[tuple[int, str]]:
@@ -165,7 +165,7 @@ class ExportFolder:
 
         path = os.path.join(self.directory, name)
         try:
-            return self._checked(ServedModel(path), path)
+            return self._checked(ServedModel(path, self.device), path)
         except ServingError as err:
             self._refuse(path, err)
             return None
