@@ -236,11 +236,52 @@ def cmd_evaluate(args, console: Console) -> int:
     from deeprec.strategies import model_from_checkpoint
 
     resolve_paths(args.data, "--data")  # before the checkpoint is read
+    if args.predictions is not None:  # before the work: where the scores go
+        if args.on_bad_row == "skip":
+            raise ConfigError("--predictions writes one line per row of the data, in order: with --on-bad-row skip "
+                              "its lines would no longer match the data's rows; give one or the other")
+        folder = os.path.dirname(os.path.abspath(args.predictions))
+        if os.path.isdir(args.predictions) or not os.path.isdir(folder):
+            raise ConfigError(f"--predictions {args.predictions}: " + ("a folder; give a file name" if
+                              os.path.isdir(args.predictions) else f"no folder {folder}"))
     model, state, schema, path = model_from_checkpoint(args.checkpoint, args.model)
-    metrics = evaluate(model, open_reader(args.data, args.batch_size, schema=schema, on_bad_row=args.on_bad_row))
-    console.print(f"{path} (step {state['step']}) on {', '.join(args.data)}")
+    reader = open_reader(args.data, args.batch_size, schema=schema, on_bad_row=args.on_bad_row)
+    if args.predictions is None:
+        metrics = evaluate(model, reader)
+    else:
+        metrics = _evaluate_writing(model, reader, args.predictions)
+    console.print(f"{path} (step {state['step']}) on {', '.join(args.data)}"
+                  + (f"; each row's score in {args.predictions}" if args.predictions else ""))
     print(json.dumps(metrics))
     return 0
+
+
+def _evaluate_writing(model, reader, out: str) -> dict:
+    """`evaluate`, also writing each row's score (its probability, as `deeprec serve` answers) to `out`
+    in the order read: one per line, or for several labels a CSV with a header naming them. "%.9g"
+    reads back as the same float32. Written beside `out` and renamed: never half a file."""
+    import numpy as np
+    import torch
+
+    from deeprec.atomic import write_atomic
+    from deeprec.metrics import evaluate
+
+    labels = list(getattr(model, "label_columns", ("label",)))
+    result = {}
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            if len(labels) > 1:
+                f.write(",".join(labels) + "\n")
+
+            def each(logits: torch.Tensor) -> None:
+                scores = torch.sigmoid(logits.detach().float().cpu()).numpy()
+                np.savetxt(f, scores.reshape(len(scores), -1), fmt="%.9g", delimiter=",")
+
+            result.update(evaluate(model, reader, on_logits=each))
+
+    write_atomic(out, write)
+    return result
 
 
 def cmd_synth(args, console: Console) -> int:
@@ -352,6 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch-size", type=at_least(1), default=4096)
     ev.add_argument("--on-bad-row", choices=BAD_ROW_POLICIES, default="raise")
     ev.add_argument("--model", help="build this model (module:attribute) instead of the one the checkpoint names")
+    ev.add_argument("--predictions", metavar="FILE", help="also write each row's score here, in the data's order: "
+                    "one per line (several labels: a CSV, a header naming them), to compare with deeprec serve")
     ev.set_defaults(func=cmd_evaluate)
 
     xp = sub.add_parser("export", help="a self-contained serving export of a checkpoint (deeprec.serving)")

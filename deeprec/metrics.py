@@ -102,11 +102,13 @@ class Uncounted:
 
 
 @torch.no_grad()
-def run_evaluation(model: torch.nn.Module, batches, *, progress=None, description: str = "evaluate") -> Evaluation:
+def run_evaluation(model: torch.nn.Module, batches, *, progress=None, description: str = "evaluate",
+                   on_logits=None) -> Evaluation:
     """The evaluation loop: `model` in eval mode (its mode restored after) over one pass of
     `batches`, each batch's predictions counted into an Evaluation (an `Uncounted` batch only runs).
     `progress`: rows evaluated and rows/s shown on a terminal (None or True: deeprec.progress's
-    shared console, False: never, or a rich Console)."""
+    shared console, False: never, or a rich Console). `on_logits(logits)`: called with each counted
+    batch's logits, in order (per-row predictions: `deeprec evaluate --predictions`)."""
     evaluation = Evaluation(model)
     rows = evaluation.metrics[0]  # its row count grows with every batch
     was_training = model.training
@@ -118,15 +120,19 @@ def run_evaluation(model: torch.nn.Module, batches, *, progress=None, descriptio
                     model(batch.batch)
                     continue
                 before = rows.rows
-                evaluation.update(batch, model(batch)["logits"])
+                logits = model(batch)["logits"]
+                evaluation.update(batch, logits)
+                if on_logits is not None:
+                    on_logits(logits)
                 shown.advance(rows.rows - before)
     finally:
         model.train(was_training)
     return evaluation
 
 
-def evaluate(model: torch.nn.Module, reader, *, progress=None, description: str = "evaluate") -> dict:
+def evaluate(model: torch.nn.Module, reader, *, progress=None, description: str = "evaluate",
+             on_logits=None) -> dict:
     """AUC and log loss of the model's predictions over one pass of `reader`, in bounded
     memory (`run_evaluation`); a multi-task model (logits [B, T]) gets them per task under
     "tasks", the first task's at the top level."""
-    return run_evaluation(model, reader, progress=progress, description=description).result()
+    return run_evaluation(model, reader, progress=progress, description=description, on_logits=on_logits).result()
