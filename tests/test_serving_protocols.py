@@ -1,0 +1,340 @@
+"""deeprec serve's protocols: TF Serving's rows and routes, the Open Inference Protocol (KServe v2) spoken
+by the official Triton client, a model repository, and greedy batching."""
+import asyncio
+import gzip
+import json
+import shutil
+import subprocess
+import sys
+import threading
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from starlette.testclient import TestClient
+
+import deeprec as dr
+from deeprec.serving import ServingError
+from deeprec.serving.repository import Batcher, open_repository
+from deeprec.serving.server import make_app
+from deeprec.trainer import TrainConfig, Trainer
+
+from test_serving import _dlrm_export, _trained
+
+
+@pytest.fixture(scope="module")
+def dlrm(tmp_path_factory):
+    return _dlrm_export(tmp_path_factory.mktemp("proto-dlrm"), rows=16)
+
+
+@pytest.fixture(scope="module")
+def din(tmp_path_factory):
+    """A DIN (int ids, sequences of int ids) trained 3 steps on synthetic behaviour data, and rows."""
+    from deeprec.data.synth_behavior import write_behavior
+
+    tmp = tmp_path_factory.mktemp("proto-din")
+    data = str(tmp / "behavior.tsv")
+    write_behavior(data, 400, users=50, items=200, categories=10, max_length=8, progress=False)
+    trainer = Trainer(TrainConfig.create(model="din", data=[data], steps=3, batch_size=64, progress=False))
+    trainer.train()
+    path = dr.export(trainer.model, str(tmp / "export"), schema=trainer.schema, model_name="din", step=3)
+    rows = {"user_id": [1, 2, 7], "item_id": [3, 4, 5], "category_id": [1, 2, 3],
+            "hist_items": [[5, 6, 7], [8, 9], [1]], "hist_cats": [[1, 2, 3], [4, 5], []]}
+    return path, rows
+
+
+@pytest.fixture(scope="module")
+def mmoe(tmp_path_factory):
+    """A multi-task MMoE (labels finish, like) and its rows."""
+    tmp = tmp_path_factory.mktemp("proto-mmoe")
+    trainer, data = _trained("mmoe", "table", tmp)
+    path = dr.export(trainer.model, str(tmp / "export"), schema=trainer.schema, model_name="mmoe", step=3)
+    rows = {c.name: [0.5, None, 3.0, 12.0, 0.0, 7.5] if c.kind == "dense" else [str(i * 13) for i in range(6)]
+            for c in trainer.schema.columns if c.kind not in ("label", "ignore")}
+    return path, rows
+
+
+def _rows(rows, n, start=0):
+    return {k: v[start:start + n] for k, v in rows.items()}
+
+
+def _instances(rows):
+    n = len(next(iter(rows.values())))
+    return [{k: v[i] for k, v in rows.items()} for i in range(n)]
+
+
+def _v2_inputs(served, rows):
+    """JSON v2 inputs of `rows`, each with its metadata datatype (a sequence: ids joined, one BYTES per row)."""
+    columns = {c.name: c for c in served.schema.columns}
+    inputs = []
+    for name, values in rows.items():
+        c = columns[name]
+        if c.kind == "sequence":
+            values, kind = [v if isinstance(v, str) else c.separator.join(map(str, v)) for v in values], "BYTES"
+        else:
+            kind = "FP32" if c.kind == "dense" else "INT64" if c.dtype == "int" else "BYTES"
+        inputs.append({"name": name, "datatype": kind, "shape": [len(values)], "data": values})
+    return inputs
+
+
+# -- in process (Starlette's TestClient: the whole ASGI path) ----------------------------------------
+
+def test_instances_score_as_columns_and_tf_serving_routes_answer_its_shapes(dlrm):
+    path, rows = dlrm
+    served = dr.serving.load(path)
+    want = served(_rows(rows, 5)).numpy()
+    with TestClient(make_app(served)) as client:
+        columns = client.post("/v1/predict", json={"inputs": _rows(rows, 5)}).json()
+        instances = _instances(_rows(rows, 5))
+        del instances[2]["I3"], instances[4]["C9"]  # left out of a row: a missing value
+        rows_body = client.post("/v1/predict", json={"instances": instances}).json()
+        missing = _rows(rows, 5)
+        missing["I3"][2], missing["C9"][4] = None, None
+        assert np.array_equal(np.array(rows_body["predictions"], np.float32), served(missing).numpy())
+        assert np.array_equal(np.array(columns["scores"], np.float32), want) and columns["step"] == 3
+        tf = client.post("/v1/models/dlrm:predict", json={"instances": _instances(_rows(rows, 5))}).json()
+        assert list(tf) == ["predictions"] and np.array_equal(np.array(tf["predictions"], np.float32), want)
+        tf = client.post("/v1/models/dlrm/versions/3:predict", json={"inputs": _rows(rows, 5)}).json()
+        assert list(tf) == ["outputs"] and np.array_equal(np.array(tf["outputs"], np.float32), want)
+        status = client.get("/v1/models/dlrm").json()
+        assert status == {"model_version_status": [{"version": "3", "state": "AVAILABLE",
+                                                    "status": {"error_code": "OK", "error_message": ""}}]}
+        signature = client.get("/v1/models/dlrm/metadata").json()["metadata"]["signature_def"]["signature_def"]
+        assert signature["serving_default"]["inputs"]["C1"]["dtype"] == "DT_STRING"
+        bad = client.post("/v1/predict", json={"instances": [instances[0], {**instances[1], "I5": "x"}]})
+        assert bad.status_code == 400 and bad.json()["path"] == "$.instances[1].I5", bad.text
+        bad = client.post("/v1/predict", json={"instances": [instances[0], {"nope": 1}]})
+        assert bad.status_code == 400 and bad.json()["path"] == "$.instances[1].nope", bad.text
+        bad = client.post("/v1/predict", json={"instances": [instances[0], [1, 2]]})
+        assert bad.status_code == 400 and bad.json()["path"] == "$.instances[1]", bad.text
+        assert client.post("/v1/models/other:predict", json={"inputs": _rows(rows, 2)}).status_code == 404
+        assert client.post("/v1/models/dlrm/versions/7:predict", json={"inputs": _rows(rows, 2)}).status_code == 404
+
+
+def test_v2_json_infer_and_errors_naming_the_input(dlrm):
+    path, rows = dlrm
+    served = dr.serving.load(path)
+    want = served(_rows(rows, 4)).numpy()
+    with TestClient(make_app(served)) as client:
+        assert client.get("/v2/health/live").json() == {"live": True}
+        assert client.get("/v2/health/ready").json() == {"ready": True}
+        assert "binary_tensor_data" in client.get("/v2").json()["extensions"]
+        meta = client.get("/v2/models/dlrm").json()
+        kinds = {i["name"]: i["datatype"] for i in meta["inputs"]}
+        assert kinds["I1"] == "FP32" and kinds["C1"] == "BYTES" and "label" not in kinds
+        assert meta["outputs"] == [{"name": "scores", "datatype": "FP32", "shape": [-1]}] and meta["versions"] == ["3"]
+        inputs = _v2_inputs(served, _rows(rows, 4))
+        reply = client.post("/v2/models/dlrm/infer", json={"id": "r1", "inputs": inputs})
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        assert body["id"] == "r1" and body["model_name"] == "dlrm" and body["model_version"] == "3"
+        assert np.array_equal(np.array(body["outputs"][0]["data"], np.float32), want)
+        nested = [{**i, "shape": [4, 1], "data": [[v] for v in i["data"]]} for i in inputs]
+        body = client.post("/v2/models/dlrm/versions/3/infer", content=gzip.compress(json.dumps(
+            {"inputs": nested}).encode()), headers={"Content-Encoding": "gzip"}).json()
+        assert np.array_equal(np.array(body["outputs"][0]["data"], np.float32), want)
+        k = next(j for j, i in enumerate(inputs) if i["name"] == "I5")
+        cases = [({"name": "I5", "datatype": "BYTES"}, f"$.inputs[{k}].datatype", "this input takes FP32"),
+                 ({"name": "I5", "shape": [2, 2]}, f"$.inputs[{k}].shape", "expected [rows]"),
+                 ({"name": "I5", "data": [1.0, "x", 2.0, 3.0]}, f"$.inputs[{k}].data[1]", "input 'I5'"),
+                 ({"name": "I5", "data": [1.0]}, f"$.inputs[{k}].data", "1 values"),
+                 ({"name": "nope"}, f"$.inputs[{k}].name", "not an input of the model")]
+        for change, where, words in cases:
+            bad = [{**i, **change} if j == k else i for j, i in enumerate(inputs)]
+            reply = client.post("/v2/models/dlrm/infer", json={"inputs": bad})
+            assert reply.status_code == 400 and reply.json()["error"].startswith(where + ": "), (where, reply.text)
+            assert words in reply.json()["error"], reply.text
+        reply = client.post("/v2/models/dlrm/infer", json={"inputs": inputs, "outputs": [{"name": "prob"}]})
+        assert reply.status_code == 400 and reply.json()["error"].startswith("$.outputs[0].name: ")
+        reply = client.post("/v2/models/nope/infer", json={"inputs": inputs})
+        assert reply.status_code == 404 and "nope" in reply.json()["error"] and "dlrm" in reply.json()["error"]
+
+
+def test_multi_task_model_answers_one_output_per_label(mmoe):
+    path, rows = mmoe
+    served = dr.serving.load(path)
+    want = served(_rows(rows, 3)).numpy()
+    assert want.shape == (3, 2)
+    with TestClient(make_app(served)) as client:
+        meta = client.get("/v2/models/mmoe").json()
+        assert [o["name"] for o in meta["outputs"]] == served.labels
+        body = client.post("/v2/models/mmoe/infer", json={"inputs": _v2_inputs(served, _rows(rows, 3))}).json()
+        for k, output in enumerate(body["outputs"]):
+            assert output["name"] == served.labels[k]
+            assert np.array_equal(np.array(output["data"], np.float32), want[:, k])
+        rows_body = client.post("/v1/predict", json={"instances": _instances(_rows(rows, 3))}).json()
+        assert [list(p) for p in rows_body["predictions"]] == [served.labels] * 3
+        assert np.array_equal(np.array([[p[name] for name in served.labels] for p in rows_body["predictions"]],
+                                       np.float32), want)
+        columns = client.post("/v1/models/mmoe:predict", json={"inputs": _rows(rows, 3)}).json()["outputs"]
+        assert np.array_equal(np.array(columns[served.labels[1]], np.float32), want[:, 1])
+
+
+def test_a_repository_serves_each_export_under_its_folder_name(dlrm, din, tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(dlrm[0], repo / "ctr")
+    shutil.copytree(din[0], repo / "din.v1")
+    (repo / ".export-staging").mkdir()  # an export being written: skipped
+    opened, is_repository = open_repository(str(repo))
+    assert is_repository and sorted(opened) == ["ctr", "din.v1"]
+    models = {name: model for name, (model, _) in opened.items()}
+    with TestClient(make_app(models)) as client:
+        reply = client.post("/v1/predict", json={"inputs": _rows(dlrm[1], 2)})
+        assert reply.status_code == 400 and "ctr, din.v1" in reply.json()["error"]
+        a = client.post("/v1/models/ctr:predict", json={"inputs": _rows(dlrm[1], 2)}).json()["outputs"]
+        assert np.array_equal(np.array(a, np.float32), models["ctr"](_rows(dlrm[1], 2)).numpy())
+        b = client.post("/v2/models/din.v1/infer", json={"inputs": _v2_inputs(models["din.v1"], din[1])}).json()
+        assert np.array_equal(np.array(b["outputs"][0]["data"], np.float32), models["din.v1"](din[1]).numpy())
+        health = client.get("/healthz").json()
+        assert health["status"] == "ok" and health["models"]["din.v1"]["model"] == "din"
+        index = client.post("/v2/repository/index").json()
+        assert [(m["name"], m["state"]) for m in index] == [("ctr", "READY"), ("din.v1", "READY")]
+        metrics = client.get("/metrics").text
+        assert 'deeprec_requests_total{code="200",model="ctr"} 1.0' in metrics
+        assert 'deeprec_requests_total{code="400",model=""} 1.0' in metrics
+        assert 'deeprec_model_step{model="din.v1"} 3.0' in metrics
+    (repo / "bad name").mkdir()
+    with pytest.raises(ServingError, match="letters, digits"):
+        open_repository(str(repo))
+    shutil.rmtree(repo / "bad name")
+    (repo / "empty").mkdir()
+    with pytest.raises(ServingError, match="empty: neither an export"):
+        open_repository(str(repo))
+
+
+def test_token_guards_the_model_routes_not_health(dlrm):
+    path, rows = dlrm
+    with TestClient(make_app(dr.serving.load(path), token="s3cret")) as client:
+        assert client.post("/v2/models/dlrm/infer", json={"inputs": []}).status_code == 401
+        assert client.get("/v2/models/dlrm").status_code == 401
+        assert client.post("/v1/models/dlrm:predict", json={"inputs": _rows(rows, 1)}).status_code == 401
+        assert client.get("/v2/health/ready").status_code == 200 and client.get("/v2/models/dlrm/ready").status_code == 200
+        assert client.get("/v2/models/dlrm", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+
+
+def test_batcher_is_greedy_a_lone_request_waits_for_no_one():
+    """The first request is scored at once; those arriving while it scores form the next batch."""
+    class Model:
+        def __init__(self):
+            self.calls, self.release = [], threading.Event()
+
+        def __call__(self, batch):
+            self.calls.append(batch["x"].tolist())
+            if len(self.calls) == 1:
+                self.release.wait(10)
+            return torch.sigmoid(batch["x"])
+
+    class Rows:
+        def observe(self, n):
+            pass
+
+    async def run():
+        model = Model()
+        batcher = Batcher(model, Rows(), max_batch=64, max_wait_s=0.0)
+        batcher.start()
+        first = asyncio.ensure_future(batcher.submit({"x": torch.tensor([1.0])}, 1))
+        while not model.calls:
+            await asyncio.sleep(0.001)
+        later = [asyncio.ensure_future(batcher.submit({"x": torch.tensor([float(i)])}, 1)) for i in (2, 3, 4)]
+        await asyncio.sleep(0.05)
+        model.release.set()
+        results = await asyncio.gather(first, *later)
+        batcher.task.cancel()
+        batcher.scorer.shutdown()
+        return model.calls, [r[0].tolist() for r in results]
+
+    calls, scores = asyncio.run(run())
+    assert calls == [[1.0], [2.0, 3.0, 4.0]]
+    assert scores == [[pytest.approx(float(torch.sigmoid(torch.tensor(x))))] for x in (1.0, 2.0, 3.0, 4.0)]
+
+
+# -- a real server process and the official Triton client --------------------------------------------
+
+@pytest.fixture(scope="module")
+def repository_server(dlrm, din, tmp_path_factory):
+    repo = tmp_path_factory.mktemp("repo")
+    shutil.copytree(dlrm[0], repo / "dlrm")
+    shutil.copytree(din[0], repo / "din")
+    proc = subprocess.Popen([sys.executable, "-m", "deeprec", "serve", str(repo), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line.startswith("listening on http://127.0.0.1:"), (line, proc.stderr.read() if proc.poll() else "")
+    assert proc.stdout.readline().strip() == "models: din, dlrm"
+    yield line.split()[-1], {"dlrm": (dr.serving.load(str(repo / "dlrm")), dlrm[1]),
+                             "din": (dr.serving.load(str(repo / "din")), din[1])}
+    proc.terminate()
+    proc.wait(20)
+
+
+def _triton_inputs(served, rows, binary: bool):
+    """tritonclient InferInputs from the model's metadata datatypes: missing numbers NaN, ids as bytes."""
+    import tritonclient.http as triton
+
+    columns = {c.name: c for c in served.schema.columns}
+    inputs = []
+    for name, values in rows.items():
+        c = columns[name]
+        if c.kind == "dense":
+            array, kind = np.array([np.nan if v is None else v for v in values], np.float32), "FP32"
+        elif c.kind == "categorical" and c.dtype == "int":
+            array, kind = np.array(values, np.int64), "INT64"
+        else:
+            text = [v if isinstance(v, str) else c.separator.join(map(str, v)) for v in values]
+            array, kind = np.array([t.encode() for t in text], dtype=object), "BYTES"
+        inputs.append(triton.InferInput(name, list(array.shape), kind).set_data_from_numpy(array, binary_data=binary))
+    return inputs
+
+
+@pytest.mark.slow
+def test_tritonclient_gets_the_models_scores(repository_server):
+    import tritonclient.http as triton
+    from tritonclient.utils import InferenceServerException
+
+    url, models = repository_server
+    client = triton.InferenceServerClient(url.removeprefix("http://"))
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.get_server_metadata()["name"] == "deeprec"
+    for name, (served, rows) in models.items():
+        assert client.is_model_ready(name)
+        meta = client.get_model_metadata(name)
+        assert meta["name"] == name and [i["name"] for i in meta["inputs"]] == \
+            [c.name for c in served.schema.columns if c.kind not in ("label", "ignore")]
+        assert client.get_model_config(name)["max_batch_size"] == 0
+        n = len(next(iter(rows.values())))
+        for size in (1, n):
+            part = _rows(rows, size)
+            want = served(part).numpy()
+            for binary_in in (True, False):
+                for outputs in (None, [triton.InferRequestedOutput("scores", binary_data=True)],
+                                [triton.InferRequestedOutput("scores", binary_data=False)]):
+                    result = client.infer(name, _triton_inputs(served, part, binary_in), outputs=outputs)
+                    got = result.as_numpy("scores")
+                    assert got.dtype == np.float32 and np.array_equal(got, want), (name, size, binary_in, outputs)
+            result = client.infer(name, _triton_inputs(served, part, True), model_version="3",
+                                  request_compression_algorithm="gzip")
+            assert np.array_equal(result.as_numpy("scores"), want)
+    served, rows = models["dlrm"]
+    with pytest.raises(InferenceServerException, match="no model 'nope'") as err:
+        client.infer("nope", _triton_inputs(served, _rows(rows, 2), True))
+    assert err.value.status() == "404"
+    bad = _triton_inputs(served, _rows(rows, 2), True)
+    bad[0] = triton.InferInput(bad[0].name(), [2], "INT64").set_data_from_numpy(np.array([1, 2], np.int64))
+    assert client.infer("dlrm", bad).as_numpy("scores").shape == (2,)  # ints are numbers: accepted
+    bad[0] = triton.InferInput(bad[0].name(), [2], "BYTES").set_data_from_numpy(np.array([b"1", b"2"], dtype=object))
+    with pytest.raises(InferenceServerException, match=r"\$\.inputs\[0\]\.datatype: input 'I1': datatype \"BYTES\""):
+        client.infer("dlrm", bad)
+    bad[0] = triton.InferInput("I1", [1, 2], "FP32").set_data_from_numpy(np.zeros((1, 2), np.float32))
+    with pytest.raises(InferenceServerException, match=r"\$\.inputs\[0\]\.shape: input 'I1': shape \[1, 2\]"):
+        client.infer("dlrm", bad)
+    client.close()
+
+
+@pytest.mark.slow
+def test_v1_routes_of_a_repository_server(repository_server):
+    url, models = repository_server
+    served, rows = models["dlrm"]
+    reply = httpx.post(f"{url}/v1/predict", json={"inputs": _rows(rows, 2)}, timeout=30)
+    assert reply.status_code == 400 and "din, dlrm" in reply.json()["error"]
+    reply = httpx.post(f"{url}/v1/models/dlrm:predict", json={"instances": _instances(_rows(rows, 3))}, timeout=30)
+    assert np.array_equal(np.array(reply.json()["predictions"], np.float32), served(_rows(rows, 3)).numpy())
