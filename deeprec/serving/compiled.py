@@ -88,3 +88,43 @@ class CompiledProgram:
         if spec != self.in_spec:  # another column order or nesting than traced: the ExportedProgram's error
             raise ValueError(f"the batch's structure differs from the compiled program's: {spec} vs {self.in_spec}")
         return pytree.tree_unflatten(self.loader.boxed_run(flat), self.out_spec)
+
+
+def verify(export_dir: str, device: str) -> str | None:
+    """None if the package of `device` in `export_dir` loads and scores an example batch as the traced
+    program does, in a child process (a loader that crashes must not take the caller down), else why."""
+    import subprocess
+    import sys
+
+    try:
+        done = subprocess.run([sys.executable, "-m", "deeprec.serving.compiled", export_dir, device],
+                              capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        return "its test load did not finish in 600 s"
+    if done.returncode == 0:
+        return None
+    last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+    return f"its test load failed (exit {done.returncode}: {last})"
+
+
+def _check_here(export_dir: str, device: str) -> None:
+    import warnings
+
+    from deeprec.serving import CompiledFallbackWarning, ServedModel
+    from deeprec.serving.export import example_batch
+
+    warnings.simplefilter("error", category=CompiledFallbackWarning)  # a fallback is a failure here
+    served = ServedModel(export_dir, device)
+    batch = example_batch(served.schema, 7)
+    compiled, served.compiled = served.compiled, None
+    want = served.logits(batch)
+    served.compiled = compiled
+    got = served.logits(batch)
+    if not torch.allclose(got, want, rtol=0, atol=1e-4):
+        raise SystemExit(f"scores differ from the traced program's by {float((got - want).abs().max())}")
+
+
+if __name__ == "__main__":
+    import sys
+
+    _check_here(sys.argv[1], sys.argv[2])

@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 
 import pyarrow as pa
 import torch
@@ -32,7 +33,7 @@ from deeprec.atomic import replace_dir, sha256_file
 from deeprec.errors import ConfigError
 from deeprec.data.schema import Schema, schema_to_dict
 from deeprec.progress import progress as show_progress
-from deeprec.serving.compiled import package_name
+from deeprec.serving.compiled import package_name, verify
 from deeprec.serving.frozen import freeze_variables
 
 FORMAT = 1
@@ -103,14 +104,24 @@ def _compile(frozen: torch.nn.Module, program, batch: dict, staging: str) -> lis
     compile_package(program, os.path.join(staging, package_name("cpu")))
     devices = ["cpu"]
     if torch.cuda.is_available():
-        on_gpu = copy.deepcopy(frozen).to("cuda")
-        gpu_batch = tree_map(lambda t: t.to("cuda") if isinstance(t, torch.Tensor) else t, batch)
-        with torch.no_grad():
-            gpu_program = torch.export.export(on_gpu, (gpu_batch,), dynamic_shapes=_dynamic_shapes(gpu_batch),
-                                              strict=False)
-        compile_package(gpu_program, os.path.join(staging, package_name("cuda")))
-        devices.append("cuda")
+        try:
+            on_gpu = copy.deepcopy(frozen).to("cuda")
+            gpu_batch = tree_map(lambda t: t.to("cuda") if isinstance(t, torch.Tensor) else t, batch)
+            with torch.no_grad():
+                gpu_program = torch.export.export(on_gpu, (gpu_batch,), dynamic_shapes=_dynamic_shapes(gpu_batch),
+                                                  strict=False)
+            compile_package(gpu_program, os.path.join(staging, package_name("cuda")))
+            devices.append("cuda")
+        except Exception as err:  # the CPU package stands; serving on the GPU says why it has none
+            warnings.warn(f"export: no CUDA package ({type(err).__name__}: {str(err).splitlines()[0]})", stacklevel=3)
     return devices
+
+
+def _write_manifest(staging: str, manifest: dict) -> None:
+    files = [PROGRAM, TABLES, *(package_name(d) for d in manifest["compiled"])]
+    manifest["sha256"] = {name: sha256_file(os.path.join(staging, name)) for name in files}
+    with open(os.path.join(staging, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
 
 
 def _write(program, model, path: str, schema: Schema, batch: dict, model_name, step: int, shown,
@@ -128,15 +139,20 @@ def _write(program, model, path: str, schema: Schema, batch: dict, model_name, s
         if frozen is not None:
             shown.stage(STAGES[4])
             compiled = _compile(frozen, program, batch, staging)
-        files = [PROGRAM, TABLES, *(package_name(d) for d in compiled)]
         manifest = {"format": FORMAT, "model": model_name or type(model).__name__.lower(), "step": int(step),
                     "schema": schema_to_dict(schema), "labels": list(getattr(model, "label_columns", ("label",))),
                     "inputs": sorted(batch), "compiled": compiled,
                     "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the ISA the .so's kernels use
-                    "deeprec": deeprec.__version__, "torch": torch.__version__,
-                    "sha256": {name: sha256_file(os.path.join(staging, name)) for name in files}}
-        with open(os.path.join(staging, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=1)
+                    "deeprec": deeprec.__version__, "torch": torch.__version__}
+        _write_manifest(staging, manifest)
+        for device in compiled:  # each package loaded and run once, in a child process, before it is listed
+            why = verify(staging, device)
+            if why is not None:
+                warnings.warn(f"export: the {device} package is left out, serving runs the traced program: {why}",
+                              stacklevel=3)
+                os.unlink(os.path.join(staging, package_name(device)))
+                manifest["compiled"] = [d for d in manifest["compiled"] if d != device]
+                _write_manifest(staging, manifest)
         replace_dir(staging, path)  # every file fsynced, then renamed in (an older export aside, then dropped)
         shown.advance()  # the last stage done
     except BaseException:

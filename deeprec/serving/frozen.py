@@ -34,7 +34,7 @@ class FrozenEmbeddingVariable(nn.Module):
         return cls(keys, values, ev._no_permission)
 
     def gather(self, keys: torch.Tensor) -> torch.Tensor:
-        keys = keys.to(torch.int64)
+        keys = keys.to(self.sorted_keys.device, torch.int64)  # ids come from the host's preprocessing
         position = torch.searchsorted(self.sorted_keys, keys)  # <= the sentinel's index: every key <= int64 max
         hit = self.sorted_keys[position] == keys  # the sentinel's own row holds the missing value
         return torch.where(hit.unsqueeze(1), self.values[position], self.missing_value)
