@@ -27,6 +27,8 @@ from deeprec.data.schema import split_sequence
 from deeprec.errors import DeepRecError
 
 MISSING_TEXTS = pa.array(pacsv.ConvertOptions().null_values, pa.string())  # the reader's CSV parse: null
+_MISSING_LOOKUP = pc.SetLookupOptions(MISSING_TEXTS)  # built once: is_in would hash the set each call
+_NULL_TEXT = pa.scalar(None, pa.string())
 NUMBER_KINDS = ("label", "dense", "weight")
 _WANTED_NUMBER = 'a finite number (float32: |x| <= 3.4e38), a numeric string, "" or null'
 _WANTED_ID = 'an integer id (int64), a string of one, "" or null'
@@ -67,12 +69,36 @@ def request_batch(schema, rows: dict, path: str = "$", max_rows: int | None = No
     if max_rows is not None and n > max_rows:
         raise RequestError(f"{n} rows, this server takes at most {max_rows} per request (--max-rows): split the "
                            "request", path)
-    columns = {c.name: column_array(c, rows.get(c.name), n, key(path, c.name))
-               for c in schema.columns if c.kind != "ignore"}
+    columns = _numbers_as_text(schema, rows, n, path)
+    for c in schema.columns:
+        if c.kind != "ignore" and c.name not in columns:
+            columns[c.name] = column_array(c, rows.get(c.name), n, key(path, c.name))
+    columns = {c.name: columns[c.name] for c in schema.columns if c.kind != "ignore"}
     try:
         return schema.to_batch(pa.table(columns))
     except (DeepRecError, pa.ArrowException, ValueError, TypeError, OverflowError) as err:  # checked above
         raise RequestError(f"the values do not fit the model's schema ({err})", path) from None
+
+
+def _numbers_as_text(schema, rows: dict, n: int, path: str) -> dict:
+    """The number columns sent as text (lists of strings, as a file holds them) parsed together, in one
+    pass: on a short request Arrow's cost per call, not per value, is what counts. Any refusal: {} (each
+    column is then parsed alone, and the first bad value named at its field and row)."""
+    columns = [c for c in schema.columns if c.kind in NUMBER_KINDS and isinstance(rows.get(c.name), list)
+               and isinstance(rows[c.name][0], str)]
+    if len(columns) < 2:
+        return {}
+    joined = []
+    for c in columns:
+        joined += rows[c.name]
+    try:
+        parsed = _parse_text(columns[0], pa.array(joined, pa.string()), joined, path, False)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):  # RequestError included
+        return {}
+    out = {c.name: parsed.slice(k * n, n) for k, c in enumerate(columns)}
+    for c in columns:
+        _refuse_infinite(c, out[c.name], rows[c.name], key(path, c.name))
+    return out
 
 
 def column_array(c, values, n: int, path: str) -> pa.Array:
@@ -81,6 +107,14 @@ def column_array(c, values, n: int, path: str) -> pa.Array:
         return _absent(c, n)
     if c.kind in NUMBER_KINDS or c.dtype == "int" and c.kind == "categorical":
         integer = c.kind == "categorical"
+        if not integer and isinstance(values, list) and not isinstance(values[0], str):  # (a refusal costs)
+            try:  # numbers and nulls, the common case: one call (a double rounds to float32 as the cast does)
+                array = pa.array(values, pa.float32())
+            except (pa.ArrowException, TypeError, ValueError, OverflowError):
+                pass
+            else:
+                _refuse_infinite(c, array, values, path)
+                return array
         raw = _raw(values)
         array = _mixed_numbers(c, values, path, integer) if raw is None else _numbers(c, raw, values, path, integer)
         if not integer:
@@ -118,13 +152,13 @@ def _numbers(c, raw: pa.Array, values, path: str, integer: bool) -> pa.Array:
     target = pa.int64() if integer else pa.float32()
     if pa.types.is_null(kind):
         return pa.nulls(len(raw), target)
-    if _is_text(kind):
+    if pa.types.is_string(kind) or pa.types.is_binary(kind):
         return _parse_text(c, raw, values, path, integer)
     if pa.types.is_boolean(kind) or not integer and (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
         return pc.cast(raw, target, safe=False)  # double -> float32 rounds to nearest, as the reader's parse
     if pa.types.is_integer(kind):
         try:
-            return pc.cast(raw, pa.int64())
+            return raw if kind == pa.int64() else pc.cast(raw, pa.int64())
         except pa.ArrowInvalid:  # uint64 beyond int64
             i = int(np.flatnonzero(raw.to_numpy(zero_copy_only=False) > 2 ** 63 - 1)[0])
             raise _not_parsed(c, values[i], path, i, integer) from None
@@ -140,11 +174,6 @@ def _numbers(c, raw: pa.Array, values, path: str, integer: bool) -> pa.Array:
                        f"{_shown(values[i])}", f"{path}[{i}]")
 
 
-def _is_text(kind) -> bool:
-    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind) \
-        or pa.types.is_large_binary(kind)
-
-
 def _parse_text(c, raw: pa.Array, values, path: str, integer: bool, rows=None) -> pa.Array:
     """Numbers as text -> float32 / int64 as the reader's CSV parse reads them: its missing spellings
     null, spaces and tabs around a number ignored, the text cast straight to the type (one rounding).
@@ -157,8 +186,11 @@ def _parse_text(c, raw: pa.Array, values, path: str, integer: bool, rows=None) -
         except pa.ArrowInvalid:  # bytes that are not UTF-8
             i = _first_failing(raw, lambda part: pc.cast(part, pa.string()))
             raise _not_parsed(c, values[i], path, i if rows is None else rows[i], integer) from None
-    missing = pc.is_in(text, value_set=MISSING_TEXTS)
-    clean = pc.if_else(missing, pa.scalar(None, pa.string()), pc.utf8_trim(text, " \t"))
+    clean = pc.if_else(pc.is_in(text, options=_MISSING_LOOKUP), _NULL_TEXT, text)
+    try:
+        return pc.cast(clean, target)
+    except pa.ArrowInvalid:  # spaces or tabs around a number (trimmed only then: a call saved), or not a number
+        clean = pc.utf8_trim(clean, " \t")
     try:
         return pc.cast(clean, target)
     except pa.ArrowInvalid:
@@ -239,10 +271,10 @@ def _mixed_numbers(c, values, path: str, integer: bool) -> pa.Array:
 def _refuse_infinite(c, array: pa.Array, values, path: str) -> None:
     """inf, and a number beyond float32 (read as inf), are refused as the reader refuses them: they would
     turn the model's output to NaN. NaN itself is missing."""
-    infinite = pc.fill_null(pc.is_inf(array), False)
-    if not pc.any(infinite).as_py():
+    infinite = np.isinf(array.to_numpy(zero_copy_only=False))  # a null reads as NaN
+    if not infinite.any():
         return
-    i = int(np.flatnonzero(infinite.to_numpy(zero_copy_only=False))[0])
+    i = int(np.flatnonzero(infinite)[0])
     value = values[i].item() if isinstance(values[i], np.generic) else values[i]
     try:
         beyond = " (beyond float32's range)" if np.isfinite(float(value)) else ""
@@ -259,12 +291,12 @@ def _string_ids(c, values, path: str) -> pa.Array:
             return pa.array(values)
         values = values.tolist()
     try:
-        return pc.fill_null(pa.array(values, pa.string()), "")  # strings and nulls: one call
+        return _filled(pa.array(values, pa.string()))  # strings and nulls: one call
     except (pa.ArrowException, TypeError, ValueError, OverflowError):
         pass
     raw = _raw(values)
     if raw is not None and pa.types.is_integer(raw.type):  # ids sent as numbers: their decimal text
-        return pc.fill_null(pc.cast(raw, pa.string()), "")
+        return _filled(pc.cast(raw, pa.string()))
     out = []
     for i, v in enumerate(values):  # mixed: one by one
         if isinstance(v, (list, dict)):
@@ -275,6 +307,11 @@ def _string_ids(c, values, path: str) -> pa.Array:
         except (TypeError, ValueError) as err:  # a lone surrogate
             raise RequestError(f"field {c.name!r}: {err}", f"{path}[{i}]") from None
     return pa.array(out, pa.binary())
+
+
+def _filled(strings: pa.Array) -> pa.Array:
+    """null -> "" (fill_null costs more than the column itself on a short request: only when needed)."""
+    return pc.fill_null(strings, "") if strings.null_count else strings
 
 
 def _sequence(c, values, path: str) -> pa.Array:
@@ -322,21 +359,18 @@ def _joined(c, values: list, path: str) -> pa.Array:
             texts.append(sep.join(map(str, v)))
         elif isinstance(v, dict):
             raise RequestError(f"{field}: expected {wanted}, got {_shown(v)}", f"{path}[{i}]")
+        elif isinstance(v, bytes):  # a KServe BYTES element: UTF-8 text
+            try:
+                texts.append(v.decode())
+            except UnicodeDecodeError as err:
+                raise RequestError(f"{field}: bytes that are not UTF-8 text ({err.reason})", f"{path}[{i}]") from None
         else:
             texts.append(str(v))
     try:
         return pa.array(texts, pa.string())
     except (TypeError, ValueError) as err:  # a lone surrogate
-        i = next(i for i, t in enumerate(texts) if not _encodes(t))
+        i = next(i for i, t in enumerate(texts) if any("\ud800" <= ch <= "\udfff" for ch in t))
         raise RequestError(f"{field}: {err}", f"{path}[{i}]") from None
-
-
-def _encodes(text: str) -> bool:
-    try:
-        text.encode()
-        return True
-    except UnicodeEncodeError:
-        return False
 
 
 def _bad_int_sequence(c, values: list, texts: list, path: str) -> RequestError:
