@@ -11,7 +11,7 @@ import deeprec as dr
 from deeprec.cli import MODEL_SAMPLES, sample_path
 from deeprec.data import open_reader
 from deeprec.serving import CompiledFallbackWarning, ServedModel, ServingError
-from deeprec.serving.frozen import FrozenEmbeddingVariable, merged
+from deeprec.serving.frozen import merged
 from deeprec.trainer import TrainConfig, Trainer
 
 ZOO = ["dlrm", "deepfm", "wdl", "din", "dien", "dssm", "mmoe"]
@@ -107,7 +107,9 @@ def test_a_tampered_package_is_refused_naming_the_file(dlrm_package, tmp_path):
 
 
 def _variables(served: ServedModel) -> dict:
-    return {name: m for name, m in served.module.named_modules() if isinstance(m, FrozenEmbeddingVariable)}
+    """The frozen EmbeddingVariables of the loaded program (plain submodules there, with their buffers)."""
+    names = [name[: -len(".sorted_keys")] for name, _ in served.module.named_buffers() if name.endswith(".sorted_keys")]
+    return {name: served.module.get_submodule(name) for name in names}
 
 
 @pytest.mark.slow
@@ -125,7 +127,7 @@ def test_new_keys_fill_the_headroom_and_the_package_follows_them(dlrm_package):
 
         served.module = copy.deepcopy(served.module)  # as apply_delta does: the copy is updated
         target = served.module.get_submodule(name)
-        values = torch.full((new_keys.shape[0], target.embedding_dim), 0.25)
+        values = torch.full((new_keys.shape[0], target.values.shape[1]), 0.25)
         target.sorted_keys, target.values = merged(target.sorted_keys, target.values, new_keys, values,
                                                    float(target.missing_value))
         served.recompiled()
@@ -137,7 +139,7 @@ def test_new_keys_fill_the_headroom_and_the_package_follows_them(dlrm_package):
     assert served.compiled is not None
     torch.testing.assert_close(served(batch), _traced(served, batch), rtol=0, atol=1e-6)
     # more keys than the headroom: the index grows, scoring falls back to the traced program, named
-    with pytest.warns(CompiledFallbackWarning, match=r"sorted_keys is now \[\d+\], the package was compiled for"):
+    with pytest.warns(CompiledFallbackWarning, match=r"variables\.\d+\.(sorted_keys|values) is now \[[\d, ]+\], the package was compiled for"):
         updated_with(torch.arange(2 * 10 ** 12, 2 * 10 ** 12 + rows))
     assert served.compiled is None and "the package was compiled for" in served.compiled_reason
     assert torch.isfinite(served(batch)).all()

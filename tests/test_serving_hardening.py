@@ -159,12 +159,12 @@ def test_metrics_count_each_status_as_sent(dlrm):
     with TestClient(make_app(model)) as client:
         assert client.post("/v1/predict", json={"inputs": _rows(rows, 2)}).status_code == 200
         assert client.post("/v1/predict", content=b"[").status_code == 400
-        original = model.module  # the model breaks after its probe: scores NaN, never serialised as a 200
-        model.module = lambda batch: {"logits": torch.full((batch_rows_of(batch),), float("nan"))}
+        original = model.module, model.compiled  # the model breaks after its probe: scores NaN, never a 200
+        model.module, model.compiled = lambda batch: {"logits": torch.full((batch_rows_of(batch),), float("nan"))}, None
         try:
             reply = client.post("/v1/predict", json={"inputs": _rows(rows, 3)})
         finally:
-            model.module = original
+            model.module, model.compiled = original
         assert reply.status_code == 500 and "non-finite" in reply.json()["error"]
         metrics = client.get("/metrics").text
         for code in ("200", "400", "500"):

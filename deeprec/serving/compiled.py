@@ -22,7 +22,9 @@ import os
 import torch
 from torch.utils import _pytree as pytree
 
-_COMPILE_OPTIONS: dict = {}
+# every weight stays a constant the runner reads (inductor inlines 1-element ones otherwise): online
+# updates re-bind them all
+_COMPILE_OPTIONS = {"always_keep_tensor_constants": True}
 
 
 def package_name(device: str) -> str:
@@ -56,6 +58,8 @@ class CompiledProgram:
         self.package, self.loader, self.device = package, runner.loader, torch.device(device)
         self.fqns = [fqn for fqn in runner.get_constant_fqns() if _has(module, fqn)]  # the rest: the package's
         self.shapes = {fqn: tuple(constant_tensor(module, fqn).shape) for fqn in self.fqns}
+        # weights the package does not read (inductor baked their values in): an update must leave them be
+        self.baked = {name: t.detach().clone() for name, t in module.state_dict().items() if name not in self.shapes}
         self._bind(module)
         in_spec, out_spec = self.loader.get_call_spec()
         self.in_spec, self.out_spec = pytree.treespec_loads(in_spec), pytree.treespec_loads(out_spec)
@@ -72,6 +76,10 @@ class CompiledProgram:
             now = tuple(constant_tensor(module, fqn).shape)
             if now != shape:
                 return f"{fqn} is now {list(now)}, the package was compiled for {list(shape)}"
+        state = module.state_dict()
+        for name, value in self.baked.items():
+            if name in state and not torch.equal(state[name], value):
+                return f"{name} changed, and the package holds its value compiled in"
         return None
 
     def rebound(self, module: torch.nn.Module) -> "CompiledProgram":
@@ -79,7 +87,9 @@ class CompiledProgram:
         runner serving now keeps its tensors until it is dropped, so no batch sees a half update."""
         if not os.path.exists(self.package):
             raise FileNotFoundError(f"{self.package}: the package is gone (a newer full export replaced it)")
-        return CompiledProgram(self.package, module, str(self.device))
+        fresh = CompiledProgram(self.package, module, str(self.device))
+        fresh.baked = self.baked  # the values compiled in, not the updated ones
+        return fresh
 
     def __call__(self, batch: dict) -> dict:
         flat, spec = pytree.tree_flatten(((batch,), {}))
