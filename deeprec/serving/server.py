@@ -150,12 +150,13 @@ def make_app(models, max_batch: int = 256, max_wait_ms: float = 0.0, folder=None
                 return _json({"error": str(err), "path": "$"}, err.status)
             holder.append(model_served)
             try:
-                model = model_served.model
-                columns, style = p.v1_columns(p.loads(await read_body(request)), model)
-                try:
-                    batch = model.batch(columns, f"$.{style}", max_rows)
-                except RequestError as err:
-                    raise p.at_rows(err) if style == "instances" else err
+                with model_served.batcher.arriving():  # the batch being formed waits for this request
+                    model = model_served.model
+                    columns, style = p.v1_columns(p.loads(await read_body(request)), model)
+                    try:
+                        batch = model.batch(columns, f"$.{style}", max_rows)
+                    except RequestError as err:
+                        raise p.at_rows(err) if style == "instances" else err
             except RequestError as err:
                 return _json({"error": str(err), "path": err.path}, 400)
             if model_served.not_ready is not None:
@@ -176,12 +177,13 @@ def make_app(models, max_batch: int = 256, max_wait_ms: float = 0.0, folder=None
         holder.append(model_served)
         model = model_served.model
         try:
-            infer = p.v2_request(await read_body(request), request.headers.get("inference-header-content-length"),
-                                 model)
-            try:
-                batch = model.batch(p.v2_columns(infer, model), "$.inputs", max_rows)
-            except RequestError as err:
-                raise p.at_inputs(err, infer)
+            with model_served.batcher.arriving():  # the batch being formed waits for this request
+                infer = p.v2_request(await read_body(request),
+                                     request.headers.get("inference-header-content-length"), model)
+                try:
+                    batch = model.batch(p.v2_columns(infer, model), "$.inputs", max_rows)
+                except RequestError as err:
+                    raise p.at_inputs(err, infer)
         except RequestError as err:
             return _json({"error": str(err)}, 400)
         if model_served.not_ready is not None:
