@@ -213,8 +213,9 @@ def test_token_guards_the_model_routes_not_health(dlrm):
         assert client.get("/v2/models/dlrm", headers={"Authorization": "Bearer s3cret"}).status_code == 200
 
 
-def test_batcher_is_greedy_a_lone_request_waits_for_no_one():
-    """The first request is scored at once; those arriving while it scores form the next batch."""
+def test_batcher_waits_on_no_clock():
+    """A lone request is scored at once; those arriving while it scores form the next batch; one being
+    read when a batch forms joins it."""
     class Model:
         def __init__(self):
             self.calls, self.release = [], threading.Event()
@@ -247,6 +248,27 @@ def test_batcher_is_greedy_a_lone_request_waits_for_no_one():
     calls, scores = asyncio.run(run())
     assert calls == [[1.0], [2.0, 3.0, 4.0]]
     assert scores == [[pytest.approx(float(torch.sigmoid(torch.tensor(x))))] for x in (1.0, 2.0, 3.0, 4.0)]
+
+    async def reading():  # a request still being read when the batch forms joins it
+        model = Model()
+        model.release.set()
+        batcher = Batcher(model, Rows(), max_batch=64, max_wait_s=0.0)
+        batcher.start()
+
+        async def late():
+            with batcher.arriving():
+                for _ in range(20):  # its body arriving, converted: 20 turns of the loop
+                    await asyncio.sleep(0)
+            return await batcher.submit({"x": torch.tensor([2.0])}, 1)
+
+        second = asyncio.ensure_future(late())
+        await asyncio.sleep(0)
+        await asyncio.gather(batcher.submit({"x": torch.tensor([1.0])}, 1), second)
+        batcher.task.cancel()
+        batcher.scorer.shutdown()
+        return model.calls
+
+    assert asyncio.run(reading()) == [[1.0, 2.0]]
 
 
 # -- a real server process and the official Triton client --------------------------------------------
@@ -338,3 +360,68 @@ def test_v1_routes_of_a_repository_server(repository_server):
     assert reply.status_code == 400 and "din, dlrm" in reply.json()["error"]
     reply = httpx.post(f"{url}/v1/models/dlrm:predict", json={"instances": _instances(_rows(rows, 3))}, timeout=30)
     assert np.array_equal(np.array(reply.json()["predictions"], np.float32), served(_rows(rows, 3)).numpy())
+
+
+def _binary_body(inputs, outputs=None, parameters=None):
+    """A v2 body of binary tensors, built by hand: [(name, datatype, shape, raw bytes)]."""
+    header = {"inputs": [{"name": n, "datatype": t, "shape": s, "parameters": {"binary_data_size": len(raw)}}
+                         for n, t, s, raw in inputs]}
+    if outputs is not None:
+        header["outputs"] = outputs
+    if parameters is not None:
+        header["parameters"] = parameters
+    text = json.dumps(header).encode()
+    return text + b"".join(raw for *_, raw in inputs), {"Inference-Header-Content-Length": str(len(text))}
+
+
+def _bytes_tensor(values):
+    return b"".join(len(v).to_bytes(4, "little") + v for v in values)
+
+
+def test_v2_binary_tensors_by_hand(din):
+    path, rows = din
+    served = dr.serving.load(path)
+    want = served(rows).numpy()
+    columns = {c.name: c for c in served.schema.columns}
+    inputs = []
+    for name, values in rows.items():
+        if columns[name].kind == "sequence":
+            inputs.append((name, "BYTES", [3, 1], _bytes_tensor(["|".join(map(str, v)).encode() for v in values])))
+        else:
+            kind = "INT32" if name == "user_id" else "INT64"  # another integer width: taken
+            inputs.append((name, kind, [3], np.array(values, "<i4" if kind == "INT32" else "<i8").tobytes()))
+    with TestClient(make_app(served)) as client:
+        body, headers = _binary_body(inputs, parameters={"binary_data_output": True})
+        reply = client.post("/v2/models/din/infer", content=body, headers=headers)
+        assert reply.status_code == 200, reply.text
+        size = int(reply.headers["inference-header-content-length"])
+        header = json.loads(reply.content[:size])
+        assert header["outputs"][0]["parameters"] == {"binary_data_size": 12}
+        assert np.array_equal(np.frombuffer(reply.content[size:], "<f4"), want)
+        body, headers = _binary_body(inputs, outputs=[{"name": "scores", "parameters": {"binary_data": False}}],
+                                     parameters={"binary_data_output": True})
+        reply = client.post("/v2/models/din/infer", content=body, headers=headers)
+        assert "inference-header-content-length" not in reply.headers
+        assert np.array_equal(np.array(reply.json()["outputs"][0]["data"], np.float32), want)
+        k = next(j for j, i in enumerate(inputs) if i[0] == "hist_items")
+        cases = [(lambda i: (i[0], i[1], i[2], i[3][:-1]) if i[0] == "hist_items" else i,
+                  f"$.inputs[{k}].data[2]", "the binary data ends in BYTES element 2"),
+                 (lambda i: (i[0], i[1], i[2], i[3] + b"x") if i[0] == "hist_items" else i,
+                  f"$.inputs[{k}].parameters.binary_data_size", "1 bytes after its 3 BYTES elements"),
+                 (lambda i: (i[0], i[1], i[2], _bytes_tensor([b"5|x", b"1", b"2"])) if i[0] == "hist_items" else i,
+                  f"$.inputs[{k}].data[0]", "input 'hist_items'"),
+                 (lambda i: (i[0], i[1], i[2], _bytes_tensor([b"\xff", b"1", b"2"])) if i[0] == "hist_items" else i,
+                  f"$.inputs[{k}].data[0]", "not UTF-8"),
+                 (lambda i: (i[0], i[1], i[2], i[3][:8]) if i[0] == "item_id" else i,
+                  "$.inputs[1].parameters.binary_data_size", "8 bytes of binary data, 3 INT64 values are 24")]
+        for change, where, words in cases:
+            body, headers = _binary_body([change(i) for i in inputs])
+            reply = client.post("/v2/models/din/infer", content=body, headers=headers)
+            assert reply.status_code == 400 and reply.json()["error"].startswith(where + ": "), (where, reply.text)
+            assert words in reply.json()["error"], reply.text
+        body, headers = _binary_body(inputs)
+        for bad in ("x", str(len(body) + 1)):
+            reply = client.post("/v2/models/din/infer", content=body, headers={"Inference-Header-Content-Length": bad})
+            assert reply.status_code == 400 and "Inference-Header-Content-Length" in reply.json()["error"]
+        reply = client.post("/v2/models/din/infer", content=body + b"\0\0", headers=headers)
+        assert reply.status_code == 400 and "2 bytes of binary data after the inputs" in reply.json()["error"]
