@@ -1,165 +1,923 @@
-"""deeprec serve under load: latency at batch 1 and 256, throughput with 8 concurrent clients, and
-the time to apply an online delta of 100k EmbeddingVariable rows (in process).
+"""deeprec serve, side by side: the ExportedProgram (traced) and the AOTInductor package (compiled),
+in process and over HTTP (v1 columns, v2 JSON, v2 binary tensors), at 1 and 64 rows, with 1 and 8
+clients; where the time goes (the handler's stages in process, the server's event loop profiled);
+the time to apply an online delta.
 
-A DLRM with EmbeddingVariables, trained briefly on the bundled Criteo sample, is exported and
-served by `deeprec serve` in its own process; this process is the client (httpx), on loopback.
-Each request carries real rows as JSON columns. Request loops are bounded (--requests).
-On this 2-core machine server and client share the cores: the numbers include that contention.
+    python bench/serving.py                 # the one command (about 3-4 minutes on 2 cores)
+    python bench/serving.py --requests 200  # fewer requests per measurement
+
+A DLRM with EmbeddingVariables, trained briefly on the bundled Criteo sample, is exported with its
+compiled package, and a copy without it is made (the loader then scores with the traced program).
+Each variant is served by `deeprec serve --threads 1` (the default on 2 cores: cores - 1) in its own
+process; this process is the client, on loopback. The client is lean, since it shares the 2 cores
+with the server: bodies pre-encoded with orjson, a minimal HTTP/1.1 keep-alive client on a blocking
+socket (1 client) or on asyncio streams (8 clients), no HTTP library on the request path (http.client
+is measured once beside it, for its own overhead). Requests carry real rows of the sample.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import math
 import os
+import shutil
+import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
-import httpx
+import numpy as np
+import orjson
 
 from _common import cpu_line, print_table, save_figure, save_json
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+HOST = "127.0.0.1"
+VARIANTS = ("traced", "compiled")
+PROTOCOLS = ("v1", "v2-json", "v2-binary")
+HTTP_ROWS = (1, 64)
+IN_PROCESS_ROWS = (1, 64, 256)
+SERVER_THREADS = 1  # deeprec serve's default on 2 cores (cores - 1): one core left to the event loop
+TARGETS = {"in_process_1_row_ms": 0.5, "http_1_row_p50_ms": 2.0, "http_1_row_p99_ms": 4.0,
+           "clients_8_1_row_rows_per_s": 3000.0, "clients_8_64_rows_rows_per_s": 40000.0}
 
 
-def exported_model(folder: str) -> tuple[str, dict]:
+# -- the model ------------------------------------------------------------------------------------
+
+def sample_rows(path: str, schema, n: int = 200) -> dict:
+    """The first n rows of the sample as JSON-like columns (a client's view: strings, floats, None)."""
+    import csv
+
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))[:n]
+    out = {}
+    for c in schema.columns:
+        if c.kind in ("label", "ignore"):
+            continue
+        values = [r[c.name] for r in rows]
+        out[c.name] = [float(v) if v else None for v in values] if c.kind == "dense" else values
+    return out
+
+
+def exported_model(folder: str) -> str:
+    """A DLRM with EmbeddingVariables trained 5 steps on the Criteo sample, exported with its package."""
     import deeprec as dr
     from deeprec.cli import sample_path
     from deeprec.trainer import TrainConfig, Trainer
-    from test_serving import _json_rows
 
-    data = sample_path("criteo_sample.txt")
-    trainer = Trainer(TrainConfig.create(model="dlrm", data=[data], steps=5, batch_size=64, embedding="variable",
-                                         progress=False))
+    trainer = Trainer(TrainConfig.create(model="dlrm", data=[sample_path("criteo_sample.txt")], steps=5,
+                                         batch_size=64, embedding="variable", progress=False))
     trainer.train()
-    path = dr.export(trainer.model, os.path.join(folder, "export"), schema=trainer.schema, model_name="dlrm", step=5)
-    return path, _json_rows(data, trainer.schema, 200)
+    path = dr.export(trainer.model, os.path.join(folder, "export"), schema=trainer.schema, model_name="dlrm",
+                     step=5, compile=True, progress=False)
+    with open(os.path.join(path, "manifest.json")) as f:
+        if "cpu" not in json.load(f).get("compiled", []):
+            raise SystemExit(f"{path}: the export has no compiled CPU package (its compile or test load failed)")
+    return path
+
+
+def traced_copy(path: str, folder: str) -> str:
+    """A copy of the export without its compiled package: served by the ExportedProgram."""
+    from deeprec.serving.compiled import package_name
+
+    copy = os.path.join(folder, "traced")
+    shutil.copytree(path, copy)
+    os.remove(os.path.join(copy, package_name("cpu")))
+    with open(os.path.join(copy, "manifest.json")) as f:
+        manifest = json.load(f)
+    manifest["compiled"] = []
+    manifest["sha256"].pop(package_name("cpu"), None)
+    with open(os.path.join(copy, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=2)
+    return copy
 
 
 def rows_of(rows: dict, n: int, start: int = 0) -> dict:
-    """n rows (cycling over the sample's 200)."""
-    picks = [(start + i) % 200 for i in range(n)]
+    """n rows (cycling over the sample's)."""
+    size = len(next(iter(rows.values())))
+    picks = [(start + i) % size for i in range(n)]
     return {k: [v[i] for i in picks] for k, v in rows.items()}
 
 
-def latency(url: str, rows: dict, batch: int, requests: int) -> dict:
-    body = {"inputs": rows_of(rows, batch)}
-    times = []
-    with httpx.Client(timeout=60) as client:
-        for _ in range(10):  # warm-up
-            client.post(f"{url}/v1/predict", json=body).raise_for_status()
-        for _ in range(requests):
-            start = time.perf_counter()
-            client.post(f"{url}/v1/predict", json=body).raise_for_status()
-            times.append((time.perf_counter() - start) * 1e3)
-    times.sort()
-    return {"p50_ms": statistics.median(times), "p99_ms": times[min(len(times) - 1, int(0.99 * len(times)))],
-            "requests": requests}
+# -- statistics -----------------------------------------------------------------------------------
+
+def pct(samples: list[float], q: float) -> float:
+    """Nearest-rank percentile."""
+    ordered = sorted(samples)
+    return ordered[max(0, min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1))]
 
 
-async def throughput(url: str, rows: dict, batch: int, clients: int, requests: int) -> dict:
-    bodies = [{"inputs": rows_of(rows, batch, start=17 * i)} for i in range(clients)]
+def latency_stats(seconds: list[float]) -> dict:
+    ms = [s * 1e3 for s in seconds]
+    return {"p50_ms": statistics.median(ms), "p99_ms": pct(ms, 0.99), "mean_ms": statistics.fmean(ms),
+            "requests": len(ms)}
 
-    async def client_loop(i: int, client: httpx.AsyncClient) -> None:
-        for _ in range(requests // clients):
-            (await client.post(f"{url}/v1/predict", json=bodies[i])).raise_for_status()
 
-    async with httpx.AsyncClient(timeout=60) as client:
-        await asyncio.gather(*(client_loop(i, client) for i in range(clients)))  # warm-up pass
+def timed(fn, n: int, warmup: int = 10, budget_s: float = math.inf) -> list[float]:
+    """n timings of fn() (after warmup calls), fewer (at least 20) if they take more than budget_s."""
+    for _ in range(warmup):
+        fn()
+    out, began = [], time.perf_counter()
+    for _ in range(n):
         start = time.perf_counter()
-        await asyncio.gather(*(client_loop(i, client) for i in range(clients)))
-        elapsed = time.perf_counter() - start
-    done = (requests // clients) * clients
-    return {"rows_per_s": done * batch / elapsed, "requests_per_s": done / elapsed, "clients": clients,
-            "batch": batch, "requests": done}
+        fn()
+        out.append(time.perf_counter() - start)
+        if len(out) >= 20 and start - began > budget_s:
+            break
+    return out
 
 
-def delta_apply_seconds(path: str, rows: int = 100_000, repeats: int = 3) -> dict:
-    """Time to apply a delta of `rows` EmbeddingVariable rows (new keys) plus the dense weights."""
+# -- request bodies -------------------------------------------------------------------------------
+
+def bodies(served, rows: dict, n: int, start: int = 0) -> dict:
+    """{protocol: (path, body, extra headers)} for n rows, encoded once."""
+    from deeprec.serving import protocols as p
+
+    name = served.manifest["model"]
+    columns = rows_of(rows, n, start)
+    types = {c.name: p.datatype(c) for c in p.model_inputs(served)}
+    infer = f"/v2/models/{name}/infer"
+    v2_json = {"inputs": [{"name": k, "datatype": types[k], "shape": [n], "data": v} for k, v in columns.items()]}
+    header, blobs = [], []
+    for k, v in columns.items():
+        if types[k] == "FP32":
+            blob = np.array([math.nan if x is None else x for x in v], "<f4").tobytes()
+        elif types[k] == "INT64":
+            blob = np.array([-1 if x in (None, "") else int(x) for x in v], "<i8").tobytes()
+        else:
+            blob = b"".join(len(b).to_bytes(4, "little") + b for b in (("" if x is None else str(x)).encode()
+                                                                         for x in v))
+        header.append({"name": k, "datatype": types[k], "shape": [n], "parameters": {"binary_data_size": len(blob)}})
+        blobs.append(blob)
+    head = orjson.dumps({"inputs": header, "parameters": {"binary_data_output": True}})
+    return {"v1": ("/v1/predict", orjson.dumps({"inputs": columns}), {}),
+            "v2-json": (infer, orjson.dumps(v2_json), {}),
+            "v2-binary": (infer, head + b"".join(blobs), {"Inference-Header-Content-Length": str(len(head))})}
+
+
+def http_request(path: str, body: bytes | None, headers: dict) -> bytes:
+    lines = [f"{'POST' if body is not None else 'GET'} {path} HTTP/1.1", f"Host: {HOST}"]
+    if body is not None:
+        kind = "application/octet-stream" if headers else "application/json"
+        lines += [f"Content-Type: {kind}", f"Content-Length: {len(body)}"]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + (body or b"")
+
+
+def _content_length(head: bytes) -> int:
+    at = head.lower().find(b"\r\ncontent-length:")
+    if at < 0:
+        raise RuntimeError(f"an answer without Content-Length: {head[:200]!r}")
+    end = head.find(b"\r\n", at + 2)
+    return int(head[at + 17:end if end >= 0 else len(head)])
+
+
+# -- the clients ----------------------------------------------------------------------------------
+
+class Connection:
+    """A minimal HTTP/1.1 keep-alive client on a blocking socket: write the request, read the head up
+    to the blank line, then Content-Length bytes."""
+
+    def __init__(self, port: int):
+        self.sock = socket.create_connection((HOST, port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buffer = b""
+
+    def call(self, request: bytes) -> tuple[int, bytes]:
+        self.sock.sendall(request)
+        buffer = self.buffer
+        while (end := buffer.find(b"\r\n\r\n")) < 0:
+            buffer += self._recv()
+        head, start = buffer[:end + 2], end + 4
+        stop = start + _content_length(head)
+        while len(buffer) < stop:
+            buffer += self._recv()
+        self.buffer = buffer[stop:]
+        return int(head[9:12]), buffer[start:stop]
+
+    def _recv(self) -> bytes:
+        chunk = self.sock.recv(1 << 20)
+        if not chunk:
+            raise RuntimeError("the server closed the connection")
+        return chunk
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def checked(status: int, body: bytes, what: str) -> bytes:
+    if status != 200:
+        raise RuntimeError(f"{what}: HTTP {status}: {body[:300]!r}")
+    return body
+
+
+def one_client(port: int, request: bytes, n: int, what: str) -> dict:
+    conn = Connection(port)
+    try:
+        for _ in range(10):
+            checked(*conn.call(request), what)
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            status, body = conn.call(request)
+            times.append(time.perf_counter() - start)
+            if status != 200:
+                checked(status, body, what)
+    finally:
+        conn.close()
+    return latency_stats(times)
+
+
+def stdlib_client_overhead(port: int, path: str, body: bytes | None, headers: dict, n: int) -> dict:
+    """The same request through http.client (the standard library) and through the lean client,
+    alternately (so both see the same load): http.client's own cost per request."""
+    import http.client
+
+    conn, lean = http.client.HTTPConnection(HOST, port), Connection(port)
+    conn.connect()
+    conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    headers = {"Content-Type": "application/json", **headers}
+    request = http_request(path, body, {} if body is None else headers)
+    times = {"http.client": [], "lean": []}
+    try:
+        for i in range(n + 10):
+            start = time.perf_counter()
+            conn.request("POST" if body is not None else "GET", path, body, headers)
+            response = conn.getresponse()
+            checked(response.status, response.read(), path)
+            middle = time.perf_counter()
+            checked(*lean.call(request), path)
+            if i >= 10:
+                times["http.client"].append(middle - start)
+                times["lean"].append(time.perf_counter() - middle)
+    finally:
+        conn.close()
+        lean.close()
+    return {k: latency_stats(v) for k, v in times.items()}
+
+
+async def _open(port: int, clients: int) -> list:
+    out = []
+    for _ in range(clients):
+        reader, writer = await asyncio.open_connection(HOST, port)
+        writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        out.append((reader, writer))
+    return out
+
+
+async def _client_loop(reader, writer, request: bytes, count: int, times: list | None, what: str) -> None:
+    for _ in range(count):
+        start = time.perf_counter()
+        writer.write(request)
+        head = await reader.readuntil(b"\r\n\r\n")
+        body = await reader.readexactly(_content_length(head))
+        if times is not None:
+            times.append(time.perf_counter() - start)
+        if head[9:12] != b"200":
+            checked(int(head[9:12]), body, what)
+
+
+async def _many_clients(port: int, requests: list[bytes], total: int, what: str) -> tuple[float, list, int]:
+    conns = await _open(port, len(requests))
+    try:
+        await asyncio.gather(*(_client_loop(r, w, req, 10, None, what) for (r, w), req in zip(conns, requests)))
+        per, times = max(1, total // len(requests)), []
+        start = time.perf_counter()
+        await asyncio.gather(*(_client_loop(r, w, req, per, times, what) for (r, w), req in zip(conns, requests)))
+        return time.perf_counter() - start, times, per * len(requests)
+    finally:
+        for _, w in conns:
+            w.close()
+
+
+# -- the server -----------------------------------------------------------------------------------
+
+class Server:
+    """`deeprec serve PATH --port 0 --threads 1` in a subprocess (or under cProfile, `profile` the
+    file prefix its event-loop thread's profiles are written to, one per SIGUSR1)."""
+
+    def __init__(self, path: str, log: str, profile: str | None = None):
+        args = ["serve", path, "--port", "0", "--threads", str(SERVER_THREADS)]
+        if profile is None:
+            command = [sys.executable, "-m", "deeprec", *args]
+        else:
+            command = [sys.executable, "-c", _PROFILED, profile, *args]
+        self.log = open(log, "w")
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        deadline = time.monotonic() + 300
+        while True:
+            line = self.process.stdout.readline()
+            if line.startswith("listening on http://"):
+                self.port = int(line.strip().rsplit(":", 1)[1])
+                break
+            if not line or time.monotonic() > deadline:
+                self.stop()
+                with open(log) as f:
+                    raise RuntimeError(f"deeprec serve did not start:\n{f.read()[-3000:]}")
+        self.conn = Connection(self.port)
+
+    def get(self, path: str) -> bytes:
+        return checked(*self.conn.call(http_request(path, None, {})), path)
+
+    def metrics(self) -> dict:
+        """The counters of the latency and batch-size histograms."""
+        out = {}
+        for line in self.get("/metrics").decode().splitlines():
+            name, _, value = line.partition(" ")
+            if name in ("deeprec_request_latency_seconds_sum", "deeprec_request_latency_seconds_count",
+                        "deeprec_batch_rows_sum", "deeprec_batch_rows_count"):
+                out[name] = float(value)
+        return out
+
+    def cpu_seconds(self) -> float:
+        with open(f"/proc/{self.process.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+# the server under cProfile, its event-loop (main) thread, timed by that thread's CPU clock (idle time in
+# epoll and waits for the GIL left out); SIGUSR1 writes the profile so far to PREFIX.<n> and starts anew
+_PROFILED = """
+import cProfile, signal, sys, time
+prefix, argv = sys.argv[1], sys.argv[2:]
+state = {"profile": cProfile.Profile(time.thread_time), "n": 0}
+def dump(*_):
+    state["profile"].disable()
+    state["profile"].dump_stats(f"{prefix}.{state['n']}.tmp")
+    import os
+    os.replace(f"{prefix}.{state['n']}.tmp", f"{prefix}.{state['n']}")
+    state["n"] += 1
+    state["profile"] = cProfile.Profile(time.thread_time)
+    state["profile"].enable()
+signal.signal(signal.SIGUSR1, dump)
+from deeprec.cli import main
+state["profile"].enable()
+try:
+    main(argv)
+finally:
+    state["profile"].disable()
+"""
+
+
+def measure_http(server: Server, served, rows: dict, requests: int, clients: int) -> dict:
+    out = {"floor_get_live": one_client(server.port, http_request("/v2/health/live", None, {}), requests,
+                                        "/v2/health/live")}
+    for n in HTTP_ROWS:
+        single = bodies(served, rows, n)
+        several = [bodies(served, rows, n, start=17 * i) for i in range(clients)]
+        for protocol in PROTOCOLS:
+            what = f"{protocol}, {n} rows"
+            request = http_request(*single[protocol])
+            before = server.metrics()
+            lat = one_client(server.port, request, requests, what)
+            after = server.metrics()
+            lat["server_handler_mean_ms"] = _mean_delta(before, after, "deeprec_request_latency_seconds") * 1e3
+            # throughput: clients x the same number of requests as the latency loop, at least 50 each
+            total = max(requests, 50 * clients) if n == 1 else max(requests // 2, 25 * clients)
+            reqs = [http_request(*b[protocol]) for b in several]
+            before, cpu_server, cpu_client = server.metrics(), server.cpu_seconds(), time.process_time()
+            elapsed, times, done = asyncio.run(_many_clients(server.port, reqs, total, what))
+            cpu_server, cpu_client = server.cpu_seconds() - cpu_server, time.process_time() - cpu_client
+            after = server.metrics()
+            many = {"rows_per_s": done * n / elapsed, "requests_per_s": done / elapsed, "requests": done,
+                    **{k: v for k, v in latency_stats(times).items() if k != "requests"},
+                    "rows_per_model_call": _mean_delta(before, after, "deeprec_batch_rows") or None,
+                    "server_cpu_ms_per_request": cpu_server / done * 1e3,
+                    "client_cpu_ms_per_request": cpu_client / done * 1e3,
+                    "cores_busy_with_server_and_client": (cpu_server + cpu_client) / elapsed}
+            out.setdefault(protocol, {})[str(n)] = {"1_client": lat, f"{clients}_clients": many}
+            print(f"  {protocol:9} {n:3} rows: 1 client p50 {lat['p50_ms']:.2f} ms p99 {lat['p99_ms']:.2f} ms; "
+                  f"{clients} clients {many['rows_per_s']:,.0f} rows/s ({many['rows_per_model_call'] or 0:.1f} rows "
+                  f"per model call)", flush=True)
+    return out
+
+
+def _mean_delta(before: dict, after: dict, name: str) -> float:
+    count = after.get(f"{name}_count", 0) - before.get(f"{name}_count", 0)
+    return (after.get(f"{name}_sum", 0) - before.get(f"{name}_sum", 0)) / count if count else 0.0
+
+
+# -- in process -----------------------------------------------------------------------------------
+
+def in_process(served, rows: dict, requests: int, threads: list[int]) -> dict:
+    """served(columns) (a client's JSON-like columns: conversion + model) and served(raw batch) (the
+    model call alone), traced and compiled, per torch thread count and rows."""
+    import torch
+
+    compiled, out = served.compiled, {}
+    try:
+        for variant in VARIANTS:
+            served.compiled = compiled if variant == "compiled" else None
+            for t in threads:
+                torch.set_num_threads(t)
+                for n in IN_PROCESS_ROWS:
+                    columns = rows_of(rows, n)
+                    raw = served.batch(columns)
+                    count = requests if n < 256 else max(30, requests // 4)
+                    budget = 5.0 if t == SERVER_THREADS else 2.0  # 2 threads on 2 shared cores can crawl
+                    entry = {"columns": latency_stats(timed(lambda: served(columns), count, budget_s=budget)),
+                             "raw_batch": latency_stats(timed(lambda: served(raw), count, budget_s=budget))}
+                    out.setdefault(variant, {}).setdefault(f"threads_{t}", {})[str(n)] = entry
+                    print(f"  {variant:8} {t} thread(s) {n:3} rows: columns p50 {entry['columns']['p50_ms']:.3f} ms, "
+                          f"raw batch p50 {entry['raw_batch']['p50_ms']:.3f} ms", flush=True)
+    finally:
+        served.compiled = compiled
+    return out
+
+
+class _TimedProgram:
+    def __init__(self, program):
+        self.program, self.seconds = program, 0.0
+
+    def __call__(self, batch):
+        start = time.perf_counter()
+        out = self.program(batch)
+        self.seconds += time.perf_counter() - start
+        return out
+
+
+def handler_stages(served, rows: dict, requests: int) -> dict:
+    """What the server does for one request, stage by stage, in process (the server's code, without
+    HTTP and the batcher's hop to its scoring thread): mean ms of decode (JSON, or the v2 header and
+    binary tensors), convert (columns -> the model's raw batch), score (ServedModel: the program plus
+    its wrapping), of which the program alone, and encode (the answer's JSON)."""
+    import torch
+
+    from deeprec.serving import protocols as p
+    from deeprec.serving.server import MAX_ROWS
+
+    torch.set_num_threads(SERVER_THREADS)
+    compiled, module, out = served.compiled, served.module, {}
+    try:
+        for variant in VARIANTS:
+            for n in HTTP_ROWS:
+                encoded = bodies(served, rows, n)
+                for protocol in PROTOCOLS:
+                    _, body, headers = encoded[protocol]
+                    program = _TimedProgram(compiled if variant == "compiled" else module)
+                    served.compiled = program if variant == "compiled" else None
+                    if variant == "traced":
+                        served.module = program
+                    stages = {"decode": [], "convert": [], "score": [], "program": [], "encode": []}
+                    for i in range(requests + 10):
+                        program.seconds = 0.0
+                        t0 = time.perf_counter()
+                        if protocol == "v1":
+                            columns, style = p.v1_columns(p.loads(body), served)
+                        else:
+                            infer = p.v2_request(body, headers.get("Inference-Header-Content-Length"), served)
+                            columns = p.v2_columns(infer, served)
+                        t1 = time.perf_counter()
+                        batch = served.batch(columns, "$.inputs", MAX_ROWS)
+                        t2 = time.perf_counter()
+                        scores = served(batch).numpy()
+                        t3 = time.perf_counter()
+                        if protocol == "v1":
+                            p.dumps(p.v1_answer(scores, served, style, False, served.step))
+                        else:
+                            p.v2_answer(served.manifest["model"], served, infer, scores)
+                        t4 = time.perf_counter()
+                        if i >= 10:
+                            for key, seconds in zip(stages, (t1 - t0, t2 - t1, t3 - t2, program.seconds, t4 - t3)):
+                                stages[key].append(seconds * 1e3)
+                    entry = {k: statistics.fmean(v) for k, v in stages.items()}  # means: they add up
+                    entry["total"] = entry["decode"] + entry["convert"] + entry["score"] + entry["encode"]
+                    out.setdefault(variant, {}).setdefault(protocol, {})[str(n)] = entry
+                    served.compiled, served.module = compiled, module
+    finally:
+        served.compiled, served.module = compiled, module
+    return out
+
+
+# -- the server profiled ----------------------------------------------------------------------------
+
+_HTTP, _APP, _LOOP = "HTTP/1.1 parse and write (h11)", "Starlette (routing, request, response)", "asyncio event loop"
+_CONVERT, _BATCHER = "convert: columns -> raw batch (request.py, pyarrow, schema)", "batcher (repository.py, executor)"
+_CATEGORIES = [("/h11/", _HTTP), ("/uvicorn/", "uvicorn (ASGI server)"), ("/starlette/", _APP), ("/anyio/", _APP),
+               ("/asyncio/", _LOOP), ("selectors.py", _LOOP),
+               ("deeprec/serving/protocols", "decode and encode (protocols.py, orjson)"),
+               ("deeprec/serving/request", _CONVERT), ("/pyarrow/", _CONVERT), ("deeprec/data/", _CONVERT),
+               ("deeprec/ragged", _CONVERT), ("deeprec/serving/__init__", _CONVERT),
+               ("deeprec/serving/server", "handler (server.py)"), ("deeprec/serving/repository", _BATCHER),
+               ("concurrent/futures", _BATCHER), ("prometheus_client", "metrics (prometheus_client)"),
+               ("/torch/", "torch"), ("deeprec/", "deeprec, other")]
+
+
+def _category(key) -> str | None:
+    """The stage a function's file belongs to; None for a C function or a stdlib helper (typing, re,
+    os, ...): their time is counted with their callers'."""
+    file = key[0].replace("\\", "/")
+    for pattern, name in _CATEGORIES:
+        if pattern in file:
+            return name
+    return None
+
+
+def summarize_profile(path: str, requests: int, top: int = 12) -> dict:
+    """The event-loop thread's CPU time per request by stage: each function's own time counted in its
+    file's stage, that of a C function or a stdlib helper in its callers' (as they called it). Shares
+    are the useful part: cProfile's own cost (a clock read per call) inflates the milliseconds, more
+    where calls are many and short."""
+    import pstats
+
+    stats = pstats.Stats(path).stats
+    memo: dict = {}
+
+    def stages_of(key, seen: frozenset) -> dict:
+        """{stage: fraction} of the time spent in `key`."""
+        if key in memo:
+            return memo[key]
+        category = _category(key)
+        if category is not None:
+            return {category: 1.0}
+        callers = stats[key][4] if key in stats else {}
+        weights = {c: v[3] for c, v in callers.items() if isinstance(v, tuple) and c not in seen}
+        total = sum(weights.values())
+        if total <= 0:
+            return {"other (no Python caller)": 1.0}
+        out: dict = {}
+        for caller, weight in weights.items():
+            for name, share in stages_of(caller, seen | {key}).items():
+                out[name] = out.get(name, 0.0) + share * weight / total
+        memo[key] = out
+        return out
+
+    by, total = {}, 0.0
+    for key, (_, _, own, _, callers) in stats.items():
+        total += own
+        if _category(key) is not None:
+            by[_category(key)] = by.get(_category(key), 0.0) + own
+            continue
+        edges = {c: v[2] for c, v in callers.items() if isinstance(v, tuple)}
+        rest = own - sum(edges.values())
+        for caller, seconds in [*edges.items(), *([(None, rest)] if rest > 1e-9 else [])]:
+            for name, share in (stages_of(caller, frozenset({key})) if caller is not None else
+                                {"other (no Python caller)": 1.0}).items():
+                by[name] = by.get(name, 0.0) + seconds * share
+    ranked = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    return {"requests": requests, "event_loop_cpu_ms_per_request_profiled": total / requests * 1e3,
+            "share_by_stage": {k: v / total for k, v in sorted(by.items(), key=lambda kv: -kv[1])},
+            "ms_per_request_by_stage_profiled": {k: v / requests * 1e3 for k, v in sorted(by.items(),
+                                                                                          key=lambda kv: -kv[1])},
+            "top_functions_own_ms_per_request_profiled": [
+                {"function": f"{os.path.basename(k[0])}:{k[1]}({k[2]})" if k[0] != "~" else k[2],
+                 "calls_per_request": v[1] / requests, "own_ms": v[2] / requests * 1e3} for k, v in ranked]}
+
+
+def profile_server(path: str, served, rows: dict, requests: int, clients: int, folder: str) -> dict:
+    """The compiled variant's server under cProfile (its event-loop thread, by CPU time: the scoring
+    thread runs the model, measured in process), one profile per load, v1 columns."""
+    prefix = os.path.join(folder, "profile")
+    server = Server(path, os.path.join(folder, "profiled.log"), profile=prefix)
+    loads = [("1 client, 1 row", 1, 1), (f"{clients} clients, 1 row", 1, clients),
+             (f"{clients} clients, 64 rows", 64, clients)]
+    out = {}
+
+    def dump(k: int) -> str:
+        server.process.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(f"{prefix}.{k}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return f"{prefix}.{k}"
+
+    try:
+        server.get("/v2/health/live")
+        dump(0)  # the start (imports, loading the model): left out
+        for k, (name, n, count) in enumerate(loads, 1):
+            reqs = [http_request(*bodies(served, rows, n, start=17 * i)["v1"]) for i in range(count)]
+            if count == 1:
+                one_client(server.port, reqs[0], requests, name)
+                done = requests + 10
+            else:
+                _, _, done = asyncio.run(_many_clients(server.port, reqs, max(requests, 25 * count), name))
+                done += 10 * count
+            out[name] = summarize_profile(dump(k), done)
+    finally:
+        server.stop()
+    return out
+
+
+# -- online deltas ----------------------------------------------------------------------------------
+
+def delta_apply(path: str, repeats: int = 3) -> dict:
+    """Time to apply a delta (in process, compiled export): 100k new EmbeddingVariable rows (more than the
+    headroom: scoring falls back to the ExportedProgram, warned), and an update of every known key's
+    row (fits: the compiled program is re-bound to the new tensors). Both with all dense weights."""
     import torch
     from safetensors.torch import save_file
 
     import deeprec as dr
     from deeprec.atomic import write_with_manifest
+    from deeprec.serving import CompiledFallbackWarning
     from deeprec.serving.export import FORMAT
+    from deeprec.serving.frozen import _SENTINEL
     from deeprec.serving.online import apply_delta
 
     served = dr.serving.load(path)
     variables = sorted({k.rsplit(".", 1)[0] for k in served.module.state_dict() if k.endswith(".sorted_keys")})
+    dense = {k: v.clone() for k, v in served.module.state_dict().items()
+             if not k.endswith((".sorted_keys", ".values", ".missing_value"))}
     g = torch.Generator().manual_seed(0)
-    per = rows // len(variables)
-    tensors = {}
-    for name in variables:
-        tensors[f"{name}.keys"] = torch.randint(0, 1 << 62, (per,), generator=g)
-        tensors[f"{name}.values"] = torch.randn(per, served.module.get_submodule(name).values.shape[1], generator=g)
-    tensors.update({k: v.clone() for k, v in served.module.state_dict().items()
-                    if not k.endswith((".sorted_keys", ".values", ".missing_value"))})
-    folder = os.path.dirname(path)
-    write_with_manifest(os.path.join(folder, "delta.safetensors"), os.path.join(folder, "delta.json"),
-                        lambda tmp: save_file(tensors, tmp),
-                        {"format": FORMAT, "step": served.step + 1, "after": served.step, "variables": variables})
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        apply_delta(served, os.path.join(folder, "delta.json"))
-        times.append(time.perf_counter() - start)
-    return {"rows": per * len(variables), "variables": len(variables), "seconds": statistics.median(times)}
+    folder = tempfile.mkdtemp(dir=os.path.dirname(path))
+    out = {}
+    for case in ("new_100k_rows", "known_keys_updated"):
+        tensors, count = dict(dense), 0
+        for name in variables:
+            frozen = served.module.get_submodule(name)
+            if case == "new_100k_rows":
+                keys = torch.randint(0, 1 << 62, (100_000 // len(variables),), generator=g)
+            else:
+                keys = frozen.sorted_keys[frozen.sorted_keys != _SENTINEL].clone()
+            tensors[f"{name}.keys"] = keys
+            tensors[f"{name}.values"] = torch.randn(keys.shape[0], frozen.values.shape[1], generator=g)
+            count += keys.shape[0]
+        manifest = os.path.join(folder, f"{case}.json")
+        write_with_manifest(os.path.join(folder, f"{case}.safetensors"), manifest, lambda tmp: save_file(tensors, tmp),
+                            {"format": FORMAT, "step": served.step + 1, "after": served.step, "variables": variables})
+        times = []
+        for _ in range(repeats):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", CompiledFallbackWarning)
+                start = time.perf_counter()
+                updated = apply_delta(served, manifest)
+                times.append(time.perf_counter() - start)
+        out[case] = {"rows": count, "variables": len(variables), "seconds": statistics.median(times),
+                     "scored_by": "compiled" if updated.compiled is not None else "traced (fell back)"}
+    shutil.rmtree(folder, ignore_errors=True)
+    return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=300)
-    parser.add_argument("--max-wait-ms", type=float, default=2.0)
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as folder:
-        path, rows = exported_model(folder)
-        server = subprocess.Popen([sys.executable, "-m", "deeprec", "serve", path, "--port", "0",
-                                   "--max-wait-ms", str(args.max_wait_ms)], stdout=subprocess.PIPE, text=True)
-        try:
-            url = server.stdout.readline().split()[-1]
-            results = {"latency_batch1": latency(url, rows, 1, args.requests),
-                       "latency_batch256": latency(url, rows, 256, max(50, args.requests // 4)),
-                       "throughput_8_clients_batch1": asyncio.run(throughput(url, rows, 1, 8, args.requests)),
-                       "throughput_8_clients_batch64": asyncio.run(throughput(url, rows, 64, 8, args.requests)),
-                       "metrics": httpx.get(f"{url}/metrics").text}
-        finally:
-            server.terminate()
-            server.wait(30)
-        results["delta_apply"] = delta_apply_seconds(path)
-    batch_rows = [l for l in results["metrics"].splitlines() if l.startswith("deeprec_batch_rows_")
-                  and not l.startswith("deeprec_batch_rows_bucket")]
-    table = [["latency, batch 1", f"{results['latency_batch1']['p50_ms']:.2f}", f"{results['latency_batch1']['p99_ms']:.2f}", ""],
-             ["latency, batch 256", f"{results['latency_batch256']['p50_ms']:.2f}",
-              f"{results['latency_batch256']['p99_ms']:.2f}", ""],
-             ["8 clients, 1 row each", "", "", f"{results['throughput_8_clients_batch1']['rows_per_s']:,.0f}"],
-             ["8 clients, 64 rows each", "", "", f"{results['throughput_8_clients_batch64']['rows_per_s']:,.0f}"],
-             [f"apply a delta of {results['delta_apply']['rows']:,} rows ({results['delta_apply']['variables']} EVs)",
-              f"{results['delta_apply']['seconds'] * 1e3:.0f}", "", ""]]
-    print_table(f"deeprec serve, DLRM (EmbeddingVariables), loopback, client in a second process - {cpu_line()}",
-                ["load", "p50 ms", "p99 ms", "rows/s"], table)
-    print("\n".join(batch_rows))
-    results.pop("metrics")
-    print("saved", save_json("serving", {"requests": args.requests, "max_wait_ms": args.max_wait_ms, **results}))
+# -- report ---------------------------------------------------------------------------------------
 
+def verdicts(results: dict, clients: int) -> list[dict]:
+    """Each target against each variant's numbers."""
+    out = []
+    for variant in VARIANTS:
+        ip = results["in_process"][variant][f"threads_{SERVER_THREADS}"]["1"]["columns"]["p50_ms"]
+        out.append({"variant": variant, "target": "in process, 1 row: served(columns) p50 <= 0.5 ms",
+                    "value": ip, "met": ip <= TARGETS["in_process_1_row_ms"]})
+        for protocol in PROTOCOLS:
+            one = results["http"][variant][protocol]["1"]["1_client"]
+            out.append({"variant": variant, "target": f"HTTP {protocol}, 1 row: p50 <= 2 ms, p99 <= 4 ms",
+                        "value": [one["p50_ms"], one["p99_ms"]],
+                        "met": one["p50_ms"] <= TARGETS["http_1_row_p50_ms"] and
+                        one["p99_ms"] <= TARGETS["http_1_row_p99_ms"]})
+            for n, key in ((1, "clients_8_1_row_rows_per_s"), (64, "clients_8_64_rows_rows_per_s")):
+                rate = results["http"][variant][protocol][str(n)][f"{clients}_clients"]["rows_per_s"]
+                out.append({"variant": variant, "target": f"HTTP {protocol}, {clients} clients x {n} row(s): "
+                            f">= {TARGETS[key]:,.0f} rows/s", "value": rate, "met": rate >= TARGETS[key]})
+    return out
+
+
+def table(results: dict, clients: int) -> list[list]:
+    def mark(ok: bool) -> str:
+        return "met" if ok else "MISSED"
+
+    rows = []
+    for variant in VARIANTS:
+        ip = results["in_process"][variant][f"threads_{SERVER_THREADS}"]
+        for n in IN_PROCESS_ROWS:
+            for kind, label in (("columns", "in process, columns"), ("raw_batch", "in process, raw batch")):
+                e = ip[str(n)][kind]
+                target, met = "", ""
+                if n == 1 and kind == "columns":
+                    target, met = "p50 <= 0.5", mark(e["p50_ms"] <= TARGETS["in_process_1_row_ms"])
+                rows.append([variant, label, n, 1, f"{e['p50_ms']:.3f}", f"{e['p99_ms']:.3f}",
+                             f"{n / e['p50_ms'] * 1e3:,.0f}", target, met])
+        http = results["http"][variant]
+        f = http["floor_get_live"]
+        rows.append([variant, "HTTP GET /v2/health/live", 0, 1, f"{f['p50_ms']:.3f}", f"{f['p99_ms']:.3f}", "", "", ""])
+        for protocol in PROTOCOLS:
+            for n in HTTP_ROWS:
+                one, many = http[protocol][str(n)]["1_client"], http[protocol][str(n)][f"{clients}_clients"]
+                target, met = "", ""
+                if n == 1:
+                    target = "p50 <= 2, p99 <= 4"
+                    met = mark(one["p50_ms"] <= TARGETS["http_1_row_p50_ms"] and
+                               one["p99_ms"] <= TARGETS["http_1_row_p99_ms"])
+                rows.append([variant, f"HTTP {protocol}", n, 1, f"{one['p50_ms']:.2f}", f"{one['p99_ms']:.2f}",
+                             f"{n / one['p50_ms'] * 1e3:,.0f}", target, met])
+                key = "clients_8_1_row_rows_per_s" if n == 1 else "clients_8_64_rows_rows_per_s"
+                rows.append([variant, f"HTTP {protocol}", n, clients, f"{many['p50_ms']:.2f}", f"{many['p99_ms']:.2f}",
+                             f"{many['rows_per_s']:,.0f}", f">= {TARGETS[key]:,.0f} rows/s",
+                             mark(many["rows_per_s"] >= TARGETS[key])])
+    return rows
+
+
+def plot(results: dict, clients: int) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
-    names = ["batch 1", "batch 256"]
-    left.bar([0, 1], [results["latency_batch1"]["p50_ms"], results["latency_batch256"]["p50_ms"]], 0.4, label="p50")
-    left.bar([0.4, 1.4], [results["latency_batch1"]["p99_ms"], results["latency_batch256"]["p99_ms"]], 0.4,
-             label="p99")
-    left.set_xticks([0.2, 1.2], names)
-    left.set_ylabel("ms per request")
-    left.legend()
-    right.bar([0, 1], [results["throughput_8_clients_batch1"]["rows_per_s"],
-                       results["throughput_8_clients_batch64"]["rows_per_s"]], color="tab:green")
-    right.set_xticks([0, 1], ["8 clients x 1 row", "8 clients x 64 rows"])
+    colors = {"traced": "tab:gray", "compiled": "tab:blue"}
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4.2))
+    ip = {v: results["in_process"][v][f"threads_{SERVER_THREADS}"] for v in VARIANTS}
+    for k, v in enumerate(VARIANTS):
+        xs = [i + 0.4 * k for i in range(len(IN_PROCESS_ROWS))]
+        left.bar(xs, [ip[v][str(n)]["columns"]["p50_ms"] for n in IN_PROCESS_ROWS], 0.4, color=colors[v], label=v)
+        left.scatter(xs, [ip[v][str(n)]["raw_batch"]["p50_ms"] for n in IN_PROCESS_ROWS], color="black", marker="_",
+                     s=200, zorder=3, label="model only (raw batch)" if k else None)
+    left.axhline(TARGETS["in_process_1_row_ms"], color="tab:red", ls="--", lw=1, label="target, 1 row")
+    left.set_xticks([i + 0.2 for i in range(len(IN_PROCESS_ROWS))], [f"{n} rows" for n in IN_PROCESS_ROWS])
+    left.set_yscale("log")
+    left.set_ylim(top=left.get_ylim()[1] * 6)  # room for the legend
+    left.set_ylabel("ms per call, p50")
+    left.set_title(f"in process, served(columns), {SERVER_THREADS} torch thread", fontsize=10)
+    left.legend(fontsize=7, loc="upper left", ncol=2)
+    groups = [(p, n) for n in HTTP_ROWS for p in PROTOCOLS]
+    labels = [f"{p}\n{n} row{'s' if n > 1 else ''}" for p, n in groups]
+    for k, v in enumerate(VARIANTS):
+        xs = [i + 0.4 * k for i in range(len(groups))]
+        one = [results["http"][v][p][str(n)]["1_client"] for p, n in groups]
+        middle.bar(xs, [e["p50_ms"] for e in one], 0.4, color=colors[v], label=f"{v} p50")
+        middle.scatter(xs, [e["p99_ms"] for e in one], color=colors[v], edgecolor="black", marker="v", zorder=3,
+                       label=f"{v} p99")
+        many = [results["http"][v][p][str(n)][f"{clients}_clients"]["rows_per_s"] for p, n in groups]
+        right.bar(xs, many, 0.4, color=colors[v], label=v)
+    middle.axhline(TARGETS["http_1_row_p50_ms"], color="tab:red", ls="--", lw=1, label="target p50 (1 row)")
+    middle.axhline(TARGETS["http_1_row_p99_ms"], color="tab:red", ls=":", lw=1, label="target p99 (1 row)")
+    middle.set_ylim(top=middle.get_ylim()[1] * 1.35)
+    middle.set_ylabel("ms per request")
+    middle.set_title("HTTP, 1 client", fontsize=10)
+    right.axhline(TARGETS["clients_8_1_row_rows_per_s"], xmax=0.5, color="tab:red", ls="--", lw=1, label="targets")
+    right.axhline(TARGETS["clients_8_64_rows_rows_per_s"], xmin=0.5, color="tab:red", ls="--", lw=1)
+    right.set_yscale("log")
+    right.set_ylim(top=right.get_ylim()[1] * 4)
     right.set_ylabel("rows/s")
+    right.set_title(f"HTTP, {clients} concurrent clients", fontsize=10)
+    for ax in (middle, right):
+        ax.set_xticks([i + 0.2 for i in range(len(groups))], labels, fontsize=8)
+        ax.legend(fontsize=7, loc="upper left", ncol=2)
+    fig.suptitle(f"deeprec serve, DLRM (EmbeddingVariables): ExportedProgram vs AOTInductor package - {cpu_line()}",
+                 fontsize=10)
     save_figure(fig, "serving")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=300,
+                        help="requests per latency measurement (throughput: clients x max(this/clients, 50))")
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--export", help="reuse this export (with its compiled CPU package) instead of training one")
+    parser.add_argument("--no-profile", action="store_true", help="skip the profiled server run")
+    args = parser.parse_args()
+
+    import torch
+
+    import deeprec as dr
+    from deeprec.cli import sample_path
+
+    warnings.simplefilter("ignore", UserWarning)  # the traced copy's fallback warning, torch's notes
+    warnings.simplefilter("ignore", FutureWarning)
+    default_threads = torch.get_num_threads()
+    began = time.perf_counter()
+    results = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "requests": args.requests,
+               "clients": args.clients, "cpu": cpu_line(), "load_average_at_start": os.getloadavg(),
+               "targets": TARGETS,
+               "server": {"threads": SERVER_THREADS, "max_batch": 256, "max_wait_ms": 0.0,
+                          "http_parser": _module_or("httptools", "h11 (httptools not installed)"),
+                          "event_loop": _module_or("uvloop", "asyncio (uvloop not installed)")},
+               "client": "minimal HTTP/1.1 keep-alive client: a blocking socket (1 client), asyncio streams "
+                         "(several), bodies pre-encoded with orjson; in the same 2 cores as the server"}
+    with tempfile.TemporaryDirectory() as folder:
+        print("training and exporting (with the compiled package) ...", flush=True)
+        path = args.export or exported_model(folder)
+        paths = {"compiled": path, "traced": traced_copy(path, folder)}
+        took, mark = {"export": time.perf_counter() - began}, time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal mark
+            took[name], mark = time.perf_counter() - mark, time.perf_counter()
+
+        served = dr.serving.load(path)
+        if served.compiled is None:
+            raise SystemExit(f"{path}: not scored by its compiled package: {served.compiled_reason}")
+        rows = sample_rows(sample_path("criteo_sample.txt"), served.schema)
+
+        print("in process ...", flush=True)
+        threads = sorted({1, default_threads})
+        results["in_process"] = in_process(served, rows, args.requests, threads)
+        results["in_process_threads"] = {"measured": threads, "default": default_threads,
+                                         "table_and_targets": SERVER_THREADS}
+        stages = handler_stages(served, rows, max(100, args.requests // 2))
+        torch.set_num_threads(default_threads)
+        lap("in_process")
+
+        results["http"] = {}
+        for variant in VARIANTS:
+            print(f"HTTP, {variant} ...", flush=True)
+            server = Server(paths[variant], os.path.join(folder, f"{variant}.log"))
+            try:
+                results["http"][variant] = measure_http(server, served, rows, args.requests, args.clients)
+                if variant == "compiled":  # http.client's own cost, beside the lean client
+                    one = bodies(served, rows, 1)["v1"]
+                    results["stdlib_http_client_vs_lean"] = {
+                        "get_live": stdlib_client_overhead(server.port, "/v2/health/live", None, {}, args.requests),
+                        "v1_1_row": stdlib_client_overhead(server.port, *one, args.requests)}
+            finally:
+                server.stop()
+            lap(f"http_{variant}")
+
+        where = {"handler_stages_in_process_ms": stages,
+                 "http_1_client_split_ms": _http_split(results, stages),
+                 "cpu_per_request_under_load": _cpu_under_load(results, args.clients)}
+        if not args.no_profile:
+            print("profiling the compiled server's event loop ...", flush=True)
+            where["server_event_loop_profile"] = profile_server(path, served, rows, args.requests, args.clients,
+                                                                folder)
+            lap("profile")
+        results["where_time_goes"] = where
+        print("online deltas ...", flush=True)
+        results["delta_apply"] = delta_apply(path)
+        lap("delta_apply")
+    results["phase_seconds"] = took
+    results["verdicts"] = verdicts(results, args.clients)
+    results["seconds"] = time.perf_counter() - began
+
+    print_table(f"deeprec serve, DLRM (EmbeddingVariables), loopback, client sharing the cores - {cpu_line()}; "
+                f"server --threads {SERVER_THREADS}, in process {SERVER_THREADS} torch thread",
+                ["variant", "load", "rows", "clients", "p50 ms", "p99 ms", "rows/s", "target", ""],
+                table(results, args.clients))
+    _print_where(results, args.clients)
+    print("saved", save_json("serving", results))
+    plot(results, args.clients)
+    print(f"{results['seconds']:.0f} s in all")
+
+
+def _module_or(name: str, otherwise: str) -> str:
+    import importlib.util
+
+    return name if importlib.util.find_spec(name) is not None else otherwise
+
+
+def _http_split(results: dict, stages: dict) -> dict:
+    """Each 1-client HTTP request (means, ms) as: the handler's work (its stages, timed in process);
+    the rest of the server's time for it (its latency histogram: from the route's start to the answer
+    built, less the handler's work: Starlette, the batcher, the hop to the scoring thread and back, a
+    model call slower there than in a hot loop); and HTTP (the client's time less the server's:
+    uvicorn, h11, the sockets, the client). `http_floor`: an empty GET through the same server and
+    client (p50), for scale."""
+    out = {}
+    for variant in VARIANTS:
+        floor = results["http"][variant]["floor_get_live"]["p50_ms"]
+        for protocol in PROTOCOLS:
+            for n in HTTP_ROWS:
+                one = results["http"][variant][protocol][str(n)]["1_client"]
+                handler, server = stages[variant][protocol][str(n)]["total"], one["server_handler_mean_ms"]
+                out.setdefault(variant, {})[f"{protocol} {n} rows"] = {
+                    "client_mean": one["mean_ms"], "server_mean": server, "handler_in_process": handler,
+                    "server_around_handler": server - handler, "http_and_client": one["mean_ms"] - server,
+                    "http_floor": floor}
+    return out
+
+
+def _cpu_under_load(results: dict, clients: int) -> dict:
+    keys = ("server_cpu_ms_per_request", "client_cpu_ms_per_request", "rows_per_model_call",
+            "cores_busy_with_server_and_client")
+    return {v: {f"{p} {n} rows": {k: results["http"][v][p][str(n)][f"{clients}_clients"][k] for k in keys}
+                for p in PROTOCOLS for n in HTTP_ROWS} for v in VARIANTS}
+
+
+def _print_where(results: dict, clients: int) -> None:
+    where = results["where_time_goes"]
+    rows = []
+    for variant in VARIANTS:
+        for protocol in PROTOCOLS:
+            for n in HTTP_ROWS:
+                s = where["handler_stages_in_process_ms"][variant][protocol][str(n)]
+                h = where["http_1_client_split_ms"][variant][f"{protocol} {n} rows"]
+                c = where["cpu_per_request_under_load"][variant][f"{protocol} {n} rows"]
+                rows.append([variant, protocol, n, f"{s['decode']:.3f}", f"{s['convert']:.3f}", f"{s['score']:.3f}",
+                             f"{s['program']:.3f}", f"{s['encode']:.3f}", f"{h['handler_in_process']:.3f}",
+                             f"{h['server_around_handler']:.3f}", f"{h['http_and_client']:.3f}",
+                             f"{h['client_mean']:.3f}", f"{c['server_cpu_ms_per_request']:.2f}",
+                             f"{c['client_cpu_ms_per_request']:.2f}", f"{c['rows_per_model_call'] or 0:.1f}"])
+    print_table("where the time goes, 1 client (ms, means): the handler's stages in process; an HTTP request: "
+                "the handler, the rest of the server's time (Starlette, batcher, scoring thread hop), HTTP "
+                f"(uvicorn, h11, sockets, client); CPU per request with {clients} clients",
+                ["variant", "protocol", "rows", "decode", "convert", "score", "of it program", "encode", "handler",
+                 "server, around it", "HTTP + client", "HTTP mean", "server CPU ms/req", "client CPU ms/req",
+                 "rows/model call"], rows)
+    for load, prof in where.get("server_event_loop_profile", {}).items():
+        print(f"compiled server's event-loop thread CPU, {load} (shares, under cProfile): "
+              + ", ".join(f"{k} {v:.0%}" for k, v in list(prof["share_by_stage"].items())[:9]))
+    for case, d in results["delta_apply"].items():
+        print(f"delta {case}: {d['rows']:,} rows over {d['variables']} EVs, {d['seconds'] * 1e3:.0f} ms, then scored "
+              f"by {d['scored_by']}")
 
 
 if __name__ == "__main__":
