@@ -15,6 +15,7 @@ conversion, then fills what is missing, so every value means here what it means 
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import re
 
@@ -398,9 +399,13 @@ def _not_int64(text: str) -> bool:
         return True
 
 
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@functools.lru_cache(maxsize=4096)  # built for every column of every request, though seldom shown
 def key(path: str, name: str) -> str:
     """`path` + the object key `name`, as a JSON path: $.inputs.I5, or $.inputs["odd name"]."""
-    return f"{path}.{name}" if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) else f"{path}[{json.dumps(name)}]"
+    return f"{path}.{name}" if _IDENTIFIER.fullmatch(name) else f"{path}[{json.dumps(name)}]"
 
 
 def _shown(value) -> str:
