@@ -22,7 +22,17 @@ from deeprec.serving import RequestError
 
 NESTING = ("the body nests deeper than any request may (a request is {\"inputs\": {\"column\": [value per "
            "row]}}, a sequence value one list deeper)")
-_BIG_INTEGER = re.compile(rb"\d{19}")  # orjson reads an integer beyond 64 bits as a float: json keeps it exact
+# orjson reads an integer beyond 64 bits as a float: such a body goes to json, which keeps it exact. Found
+# in C speed: digits -> "0", JSON's separators -> " ", "-" kept, the rest (quotes, ".", letters) -> "x";
+# then a number token of 20+ digits (beyond uint64) or "-" and 19 digits (maybe beyond int64).
+_TOKENS = bytes(48 if 48 <= c <= 57 else 45 if c == 45 else 32 if bytes([c]) in b"[]{},: \t\r\n" else 120
+                for c in range(256))
+_BIG = (b" " + b"0" * 20, b"-" + b"0" * 19)
+
+
+def _big_integer(body: bytes) -> bool:
+    tokens = body.translate(_TOKENS)
+    return _BIG[0] in tokens or _BIG[1] in tokens
 
 
 def loads(body: bytes):
@@ -30,7 +40,7 @@ def loads(body: bytes):
     them) and integers beyond 64 bits go through Python's json: NaN is a missing value, and an infinity
     or a too-large id is named at its path by the checks after."""
     first = None
-    if not _BIG_INTEGER.search(body):
+    if not _big_integer(body):
         try:
             return orjson.loads(body)
         except orjson.JSONDecodeError as err:
