@@ -425,3 +425,18 @@ def test_v2_binary_tensors_by_hand(din):
             assert reply.status_code == 400 and "Inference-Header-Content-Length" in reply.json()["error"]
         reply = client.post("/v2/models/din/infer", content=body + b"\0\0", headers=headers)
         assert reply.status_code == 400 and "2 bytes of binary data after the inputs" in reply.json()["error"]
+
+
+def test_row_limits_hold_before_a_body_is_spread_into_columns(dlrm):
+    path, rows = dlrm
+    served = dr.serving.load(path)
+    with TestClient(make_app(served, max_rows=4)) as client:
+        # a small body claiming many rows is refused before any column is built for them
+        reply = client.post("/v1/predict", json={"instances": [{}] * 5})
+        assert reply.status_code == 400 and reply.json()["path"] == "$.instances" and "--max-rows" in reply.json()["error"]
+        inputs = [{"name": "I1", "datatype": "FP32", "shape": [10 ** 9], "data": []}]
+        reply = client.post("/v2/models/dlrm/infer", json={"inputs": inputs})
+        assert reply.status_code == 400 and "$.inputs[0].shape" in reply.json()["error"]
+        # a header length in non-ASCII digits is a 400 naming the header, not a server error
+        reply = client.post("/v2/models/dlrm/infer", content=b"{}", headers={"Inference-Header-Content-Length": b"\xb2"})  # latin-1 "²"
+        assert reply.status_code == 400 and "Inference-Header-Content-Length" in reply.json()["error"]

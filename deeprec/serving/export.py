@@ -19,6 +19,8 @@ import copy
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import warnings
 
@@ -33,7 +35,7 @@ from deeprec.atomic import replace_dir, sha256_file
 from deeprec.errors import ConfigError
 from deeprec.data.schema import Schema, schema_to_dict
 from deeprec.progress import progress as show_progress
-from deeprec.serving.compiled import package_name, verify
+from deeprec.serving.compiled import package_name
 from deeprec.serving.frozen import freeze_variables
 
 FORMAT = 1
@@ -115,6 +117,21 @@ def _compile(frozen: torch.nn.Module, program, batch: dict, staging: str) -> lis
         except Exception as err:  # the CPU package stands; serving on the GPU says why it has none
             warnings.warn(f"export: no CUDA package ({type(err).__name__}: {str(err).splitlines()[0]})", stacklevel=3)
     return devices
+
+
+def verify(export_dir: str, device: str) -> str | None:
+    """None if the package of `device` in `export_dir` loads and scores an example batch as the traced
+    program does, in a child process (deeprec.serving.check_package: a loader that crashes must not
+    take the exporting process down), else why not."""
+    try:
+        done = subprocess.run([sys.executable, "-m", "deeprec.serving.check_package", export_dir, device],
+                              capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        return "its test load did not finish in 600 s"
+    if done.returncode == 0:
+        return None
+    last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+    return f"its test load failed (exit {done.returncode}: {last})"
 
 
 def _write_manifest(staging: str, manifest: dict) -> None:

@@ -100,13 +100,20 @@ def _renamed(err: RequestError, base: str, where) -> RequestError:
 
 # -- v1: columns and TF Serving's instances ---------------------------------------------------------
 
-def v1_columns(body, model) -> tuple[dict, str]:
+def _check_rows(rows: int, max_rows: int | None, path: str) -> None:
+    if max_rows is not None and rows > max_rows:
+        raise RequestError(f"{rows} rows, this server takes at most {max_rows} per request (--max-rows): "
+                           f"split the request", path)
+
+
+def v1_columns(body, model, max_rows: int | None = None) -> tuple[dict, str]:
     """(columns, style): style "inputs" for {"inputs": {column: [values]}}, "instances" for rows."""
     if isinstance(body, dict) and "inputs" in body and "instances" not in body and isinstance(body["inputs"], dict):
         return body["inputs"], "inputs"
     if isinstance(body, dict) and "instances" in body and "inputs" not in body:
         if not isinstance(body["instances"], list):
             raise RequestError("\"instances\" must be a list of rows: [{\"column\": value, ...}, ...]", "$.instances")
+        _check_rows(len(body["instances"]), max_rows, "$.instances")  # before the rows are spread into columns
         return _transposed(body["instances"], model), "instances"
     raise RequestError("the body must be {\"inputs\": {\"column\": [value per row], ...}} (columns) or "
                        "{\"instances\": [{\"column\": value, ...}, ...]} (rows, as TF Serving takes them)")
@@ -222,16 +229,17 @@ class V2Request:
         self.id, self.columns, self.order, self.outputs = request_id, columns, order, outputs
 
 
-def v2_request(body: bytes, header_length: str | None, model) -> V2Request:
+def v2_request(body: bytes, header_length: str | None, model, max_rows: int | None = None) -> V2Request:
     """Parse an infer body: JSON, or (Inference-Header-Content-Length) a JSON header followed by the
     binary inputs, in the order of the inputs that give `parameters.binary_data_size`."""
     binary = memoryview(b"")
     if header_length is not None:
-        if not header_length.strip().isdigit() or int(header_length) > len(body):
+        digits = header_length.strip()
+        if not (digits.isascii() and digits.isdigit()) or int(digits) > len(body):
             raise RequestError(f"Inference-Header-Content-Length {header_length!r}: expected the JSON header's "
                                f"size in bytes, at most the body's {len(body)}")
-        binary = memoryview(body)[int(header_length):]
-        body = body[:int(header_length)]
+        binary = memoryview(body)[int(digits):]
+        body = body[:int(digits)]
     header = loads(body)
     if not isinstance(header, dict) or not isinstance(header.get("inputs"), list) or not header["inputs"]:
         raise RequestError("the body must be {\"inputs\": [{\"name\", \"datatype\", \"shape\", \"data\"}, ...]} "
@@ -259,6 +267,7 @@ def v2_request(body: bytes, header_length: str | None, model) -> V2Request:
             raise RequestError(f"input {name!r}: {tensor['shape'][0]} rows, the inputs before it have {rows}",
                                f"{path}.shape")
         rows = tensor["shape"][0]
+        _check_rows(rows, max_rows, f"{path}.shape")  # before its data is read: a small body may claim many rows
         parameters = tensor.get("parameters") or {}
         if not isinstance(parameters, dict) or "shared_memory_region" in parameters:
             raise RequestError(f"input {name!r}: parameters must be an object; shared memory is not served "

@@ -96,7 +96,7 @@ def make_app(models, max_batch: int = 256, max_wait_ms: float = 0.0, folder=None
 
     async def read_body(request: Request) -> bytes:
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+        if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > max_body_bytes:
             raise _TooLarge(int(declared))
         chunks, size = [], 0
         async for chunk in request.stream():
@@ -152,7 +152,7 @@ def make_app(models, max_batch: int = 256, max_wait_ms: float = 0.0, folder=None
             try:
                 with model_served.batcher.arriving():  # the batch being formed waits for this request
                     model = model_served.model
-                    columns, style = p.v1_columns(p.loads(await read_body(request)), model)
+                    columns, style = p.v1_columns(p.loads(await read_body(request)), model, max_rows)
                     try:
                         batch = model.batch(columns, f"$.{style}", max_rows)
                     except RequestError as err:
@@ -179,7 +179,7 @@ def make_app(models, max_batch: int = 256, max_wait_ms: float = 0.0, folder=None
         try:
             with model_served.batcher.arriving():  # the batch being formed waits for this request
                 infer = p.v2_request(await read_body(request),
-                                     request.headers.get("inference-header-content-length"), model)
+                                     request.headers.get("inference-header-content-length"), model, max_rows)
                 try:
                     batch = model.batch(p.v2_columns(infer, model), "$.inputs", max_rows)
                 except RequestError as err:

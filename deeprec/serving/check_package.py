@@ -1,0 +1,29 @@
+"""`python -m deeprec.serving.check_package EXPORT DEVICE`: load an export's compiled package and
+score an example batch; exit 0 if it matches the traced program. The export runs it in a child
+process (serving.export.verify) before listing a package: a loader that crashes takes only the child.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+
+import torch
+
+from deeprec.serving import CompiledFallbackWarning, ServedModel
+from deeprec.serving.export import example_batch
+
+
+def check(export_dir: str, device: str) -> None:
+    warnings.simplefilter("error", category=CompiledFallbackWarning)  # a fallback is a failure here
+    served = ServedModel(export_dir, device)
+    batch = example_batch(served.schema, 7)
+    compiled, served.compiled = served.compiled, None
+    want = served.logits(batch)
+    served.compiled = compiled
+    got = served.logits(batch)
+    if not torch.allclose(got, want, rtol=0, atol=1e-4):
+        raise SystemExit(f"scores differ from the traced program's by {float((got - want).abs().max())}")
+
+
+if __name__ == "__main__":
+    check(sys.argv[1], sys.argv[2])
