@@ -94,6 +94,31 @@ def test_a_package_for_another_cpu_or_torch_falls_back_naming_why(dlrm_package, 
 
 
 @pytest.mark.slow
+def test_a_package_from_a_cpu_with_more_instructions_falls_back(dlrm_package, tmp_path):
+    path = _copy(dlrm_package[0], tmp_path)
+    with open(os.path.join(path, "manifest.json")) as f:
+        flags = json.load(f)["cpu_flags"]
+    _manifest(path, cpu_flags=flags + ["amx_future_isa"])  # -march=native there: it may use it
+    with pytest.warns(CompiledFallbackWarning, match="instructions this one lacks \\(amx_future_isa\\)"):
+        assert dr.serving.load(path).compiled is None
+
+
+@pytest.mark.slow
+def test_a_package_that_fails_when_called_hands_over_to_the_traced_program(dlrm_package):
+    path, data, schema = dlrm_package
+    served = dr.serving.load(path)
+    batch = next(iter(open_reader([data], 8, schema=schema)))
+    want = _traced(served, batch)
+
+    def broken(batch):
+        raise RuntimeError("an illegal kernel")
+    served.compiled = broken
+    with pytest.warns(CompiledFallbackWarning, match="failed when called \\(RuntimeError: an illegal kernel\\)"):
+        assert torch.equal(served(batch), want)
+    assert served.compiled is None and torch.equal(served(batch), want)
+
+
+@pytest.mark.slow
 def test_a_tampered_package_is_refused_naming_the_file(dlrm_package, tmp_path):
     path = _copy(dlrm_package[0], tmp_path)
     with open(os.path.join(path, "program.cpu.pt2"), "r+b") as f:
@@ -133,11 +158,14 @@ def test_new_keys_fill_the_headroom_and_the_package_follows_them(dlrm_package):
         served.recompiled()
         return served
 
-    # a few new keys (some the batch reads: every known key is overwritten) fit: the same shapes, compiled
-    updated_with(torch.cat([keys[:5], torch.arange(10 ** 12, 10 ** 12 + 20)]))
+    before = served(batch)
+    # every known key overwritten (rows the batch reads) and 20 new ones fit: the same shapes, compiled
+    updated_with(torch.cat([keys, torch.arange(10 ** 12, 10 ** 12 + 20)]))
     assert served.module.get_submodule(name).sorted_keys.shape[0] == rows
     assert served.compiled is not None
-    torch.testing.assert_close(served(batch), _traced(served, batch), rtol=0, atol=1e-6)
+    after = served(batch)
+    assert not torch.allclose(after, before, rtol=0, atol=1e-6)  # the package reads the new rows
+    torch.testing.assert_close(after, _traced(served, batch), rtol=0, atol=1e-6)
     # more keys than the headroom: the index grows, scoring falls back to the traced program, named
     with pytest.warns(CompiledFallbackWarning, match=r"variables\.\d+\.(sorted_keys|values) is now \[[\d, ]+\], the package was compiled for"):
         updated_with(torch.arange(2 * 10 ** 12, 2 * 10 ** 12 + rows))

@@ -18,7 +18,7 @@ from deeprec.data.collate import collate
 from deeprec.data.schema import schema_from_dict
 from deeprec.errors import ConfigError, DeepRecError
 from deeprec.data.collate import batch_rows
-from deeprec.serving.compiled import CompiledProgram, package_name
+from deeprec.serving.compiled import CompiledProgram, cpu_flags, package_name
 from deeprec.serving.export import FORMAT, MANIFEST, PROGRAM, TABLES, export
 from deeprec.serving.request import RequestError, request_batch
 from deeprec.serving.request import is_columns as _is_json
@@ -81,6 +81,10 @@ class ServedModel:
         if device == "cpu" and capability != torch.backends.cpu.get_cpu_capability():  # its kernels use that ISA
             return None, (f"the package was compiled for CPU capability {capability}, this machine has "
                           f"{torch.backends.cpu.get_cpu_capability()}: export again here")
+        lacking = sorted(set(self.manifest.get("cpu_flags", [])) - set(cpu_flags())) if device == "cpu" else []
+        if lacking:  # compiled with -march=native there: an instruction this CPU lacks would kill the process
+            return None, (f"the package was compiled on a CPU with instructions this one lacks "
+                          f"({', '.join(lacking[:6])}{'...' if len(lacking) > 6 else ''}): export again here")
         if self.manifest.get("torch") != torch.__version__:
             return None, f"the package was compiled by torch {self.manifest.get('torch')}, this is {torch.__version__}"
         try:
@@ -146,7 +150,18 @@ class ServedModel:
         for name in self.labels:  # the program takes every column; labels only feed the unused loss
             batch.setdefault(name, torch.zeros(rows))
         batch = {c.name: batch[c.name] for c in self.schema.columns if c.kind != "ignore"}
-        program = self.compiled or self.module
+        if self.compiled is not None:
+            try:
+                return self._score(self.compiled, batch, rows)
+            except Exception as err:  # a package that loads but cannot run here: the traced program answers
+                out = self._score(self.module, batch, rows)  # raises if the batch is at fault: the package stays
+                self.compiled, self.compiled_reason = None, f"it failed when called ({type(err).__name__}: {err})"
+                warnings.warn(f"{self.path}: scoring with the ExportedProgram (slower) from now on: "
+                              f"{self.compiled_reason}", CompiledFallbackWarning, stacklevel=2)
+                return out
+        return self._score(self.module, batch, rows)
+
+    def _score(self, program, batch: dict, rows: int) -> torch.Tensor:
         if any(_short(batch[c.name]) for c in self.schema.columns if c.kind == "sequence"):  # 0 or 1 ids: padded
             out = program(collate([batch, self._padding()]))["logits"][:rows]
         elif rows == 1:  # torch.export specializes sizes 0 and 1: score the row twice

@@ -27,6 +27,19 @@ from torch.utils import _pytree as pytree
 _COMPILE_OPTIONS = {"always_keep_tensor_constants": True}
 
 
+def cpu_flags() -> list[str]:
+    """This CPU's instruction-set flags (/proc/cpuinfo): inductor compiles with -march=native, so a
+    package may use any of them (AVX-512 VNNI, BF16...), more than torch's capability name tells."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return sorted(set(line.partition(":")[2].split()))
+    except OSError:
+        pass
+    return []
+
+
 def package_name(device: str) -> str:
     return f"program.{device}.pt2"
 

@@ -35,7 +35,7 @@ from deeprec.atomic import replace_dir, sha256_file
 from deeprec.errors import ConfigError
 from deeprec.data.schema import Schema, schema_to_dict
 from deeprec.progress import progress as show_progress
-from deeprec.serving.compiled import package_name
+from deeprec.serving.compiled import cpu_flags, package_name
 from deeprec.serving.frozen import freeze_variables
 
 FORMAT = 1
@@ -160,6 +160,7 @@ def _write(program, model, path: str, schema: Schema, batch: dict, model_name, s
                     "schema": schema_to_dict(schema), "labels": list(getattr(model, "label_columns", ("label",))),
                     "inputs": sorted(batch), "compiled": compiled,
                     "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the ISA the .so's kernels use
+                    "cpu_flags": cpu_flags(),  # -march=native: the package may use any of them
                     "deeprec": deeprec.__version__, "torch": torch.__version__}
         _write_manifest(staging, manifest)
         for device in compiled:  # each package loaded and run once, in a child process, before it is listed
