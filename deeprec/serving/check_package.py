@@ -21,7 +21,7 @@ def check(export_dir: str, device: str) -> None:
     want = served.logits(batch)
     served.compiled = compiled
     got = served.logits(batch)
-    if not torch.allclose(got, want, rtol=0, atol=1e-4):
+    if not torch.allclose(got, want, rtol=0, atol=1e-5):  # a sanity check; the tests hold 1e-6
         raise SystemExit(f"scores differ from the traced program's by {float((got - want).abs().max())}")
 
 
