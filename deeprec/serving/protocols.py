@@ -19,6 +19,7 @@ import numpy as np
 import orjson
 
 from deeprec.serving import RequestError
+from deeprec.serving.request import key
 
 NESTING = ("the body nests deeper than any request may (a request is {\"inputs\": {\"column\": [value per "
            "row]}}, a sequence value one list deeper)")
@@ -134,14 +135,10 @@ def _transposed(instances: list, model) -> dict:
                 if name not in known:
                     raise RequestError(f"field {name!r} is not a column of the model's schema (its columns: "
                                        f"{', '.join(c.name for c in model_inputs(model))})",
-                                       f"$.instances[{i}]{_key(name)}")
+                                       key(f"$.instances[{i}]", name))
                 column = columns[name] = [None] * n
             column[i] = value
     return columns
-
-
-def _key(name: str) -> str:
-    return f".{name}" if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) else f"[{json.dumps(name)}]"
 
 
 def at_rows(err: RequestError) -> RequestError:
