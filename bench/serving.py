@@ -50,17 +50,10 @@ TARGETS = {"in_process_1_row_ms": 0.5, "http_1_row_p50_ms": 2.0, "http_1_row_p99
 
 def sample_rows(path: str, schema, n: int = 200) -> dict:
     """The first n rows of the sample as JSON-like columns (a client's view: strings, floats, None)."""
-    import csv
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from test_serving import _json_rows  # the tests' client view of the sample, one definition
 
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))[:n]
-    out = {}
-    for c in schema.columns:
-        if c.kind in ("label", "ignore"):
-            continue
-        values = [r[c.name] for r in rows]
-        out[c.name] = [float(v) if v else None for v in values] if c.kind == "dense" else values
-    return out
+    return _json_rows(path, schema, n)
 
 
 def exported_model(folder: str) -> str:

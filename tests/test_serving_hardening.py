@@ -18,9 +18,8 @@ import deeprec as dr
 from deeprec.atomic import sha256_file
 from deeprec.serving.online import ExportFolder
 from deeprec.serving.server import make_app
-from deeprec.trainer import TrainConfig, Trainer
 
-from test_serving import _dlrm_export
+from test_serving import _din_export, _dlrm_export
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +29,7 @@ def dlrm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def din(tmp_path_factory):
-    from deeprec.data.synth_behavior import write_behavior
-
-    tmp = tmp_path_factory.mktemp("din")
-    data = str(tmp / "behavior.tsv")
-    write_behavior(data, 400, users=50, items=200, categories=10, max_length=8, progress=False)
-    trainer = Trainer(TrainConfig.create(model="din", data=[data], steps=3, batch_size=64, progress=False))
-    trainer.train()
-    path = dr.export(trainer.model, str(tmp / "export"), schema=trainer.schema, model_name="din", step=3)
+    path = _din_export(tmp_path_factory.mktemp("din"))
     rows = {"user_id": [1, 2], "item_id": [3, 4], "category_id": [1, 2], "hist_items": [[5, 6, 7], "8|9"],
             "hist_cats": [[1, 2, 3], []]}
     return path, rows

@@ -18,9 +18,8 @@ import deeprec as dr
 from deeprec.serving import ServingError
 from deeprec.serving.repository import Batcher, open_repository
 from deeprec.serving.server import make_app
-from deeprec.trainer import TrainConfig, Trainer
 
-from test_serving import _dlrm_export, _trained
+from test_serving import _din_export, _dlrm_export, _trained
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +30,7 @@ def dlrm(tmp_path_factory):
 @pytest.fixture(scope="module")
 def din(tmp_path_factory):
     """A DIN (int ids, sequences of int ids) trained 3 steps on synthetic behaviour data, and rows."""
-    from deeprec.data.synth_behavior import write_behavior
-
-    tmp = tmp_path_factory.mktemp("proto-din")
-    data = str(tmp / "behavior.tsv")
-    write_behavior(data, 400, users=50, items=200, categories=10, max_length=8, progress=False)
-    trainer = Trainer(TrainConfig.create(model="din", data=[data], steps=3, batch_size=64, progress=False))
-    trainer.train()
-    path = dr.export(trainer.model, str(tmp / "export"), schema=trainer.schema, model_name="din", step=3)
+    path = _din_export(tmp_path_factory.mktemp("proto-din"))
     rows = {"user_id": [1, 2, 7], "item_id": [3, 4, 5], "category_id": [1, 2, 3],
             "hist_items": [[5, 6, 7], [8, 9], [1]], "hist_cats": [[1, 2, 3], [4, 5], []]}
     return path, rows
