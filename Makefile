@@ -12,7 +12,8 @@ $(PY):
 $(STAMP): pyproject.toml setup.py $(wildcard deeprec/csrc/*) | $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0 'setuptools>=68' wheel ninja
-	$(PY) -m pip install -q --no-build-isolation -e '.[dev]'
+	$(PY) -m pip install -q --no-build-isolation -e '.[dev,torchrec,peers]'
+	$(PY) -m pip install -q --no-deps torchrec==1.9.2  # see pyproject.toml's torchrec extra
 	touch $(STAMP)
 
 setup: $(STAMP)
