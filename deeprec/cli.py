@@ -232,7 +232,7 @@ def cmd_serve(args, console: Console) -> int:
 
 def cmd_evaluate(args, console: Console) -> int:
     from deeprec.data import open_reader
-    from deeprec.metrics import evaluate
+    from deeprec.metrics import evaluate, ranking_columns
     from deeprec.data.reader import resolve_paths
     from deeprec.strategies import model_from_checkpoint
 
@@ -248,16 +248,16 @@ def cmd_evaluate(args, console: Console) -> int:
     model, state, schema, path = model_from_checkpoint(args.checkpoint, args.model)
     reader = open_reader(args.data, args.batch_size, schema=schema, on_bad_row=args.on_bad_row)
     if args.predictions is None:
-        metrics = evaluate(model, reader)
+        metrics = evaluate(model, reader, **ranking_columns(schema))
     else:
-        metrics = _evaluate_writing(model, reader, args.predictions)
+        metrics = _evaluate_writing(model, reader, args.predictions, ranking_columns(schema))
     console.print(f"{path} (step {state['step']}) on {', '.join(args.data)}"
                   + (f"; each row's score in {args.predictions}" if args.predictions else ""))
     print(json.dumps(metrics))
     return 0
 
 
-def _evaluate_writing(model, reader, out: str) -> dict:
+def _evaluate_writing(model, reader, out: str, columns: dict) -> dict:
     """`evaluate`, also writing each row's score (its probability, as `deeprec serve` answers) to `out`
     in the order read: one per line, or for several labels a CSV with a header naming them. "%.9g"
     reads back as the same float32. Written beside `out` and renamed: never half a file."""
@@ -279,7 +279,7 @@ def _evaluate_writing(model, reader, out: str) -> dict:
                 scores = torch.sigmoid(logits.detach().float().cpu()).numpy()
                 np.savetxt(f, scores.reshape(len(scores), -1), fmt="%.9g", delimiter=",")
 
-            result.update(evaluate(model, reader, on_logits=each))
+            result.update(evaluate(model, reader, on_logits=each, **columns))
 
     write_atomic(out, write)
     return result

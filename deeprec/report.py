@@ -65,6 +65,14 @@ def summary_table(cfg, result: dict) -> Table:
             suffix = f" ({name})" if name else ""
             table.add_row(f"eval AUC{suffix}", f"{metrics['auc']:.4f}")
             table.add_row(f"eval logloss{suffix}", f"{metrics['logloss']:.4f}")
+        if "gauc" in ev:
+            table.add_row("eval GAUC", f"{ev['gauc']:.4f} ({ev['gauc_users']:,} users with both classes"
+                          + (f"; a {ev['gauc_sampled']:.0%} sample of users)" if "gauc_sampled" in ev else ")"))
+        recalls = [k for k in ev if k.startswith("recall@")]
+        if recalls:
+            table.add_row("eval retrieval", ", ".join(f"{k} {ev[k]:.4f}, ndcg@{k[7:]} {ev['ndcg@' + k[7:]]:.4f}"
+                                                      for k in recalls)
+                          + f" ({ev['retrieval_queries']:,} queries among {ev['retrieval_candidates']:,} items)")
     return table
 
 

@@ -104,6 +104,11 @@ class TrainingConfig:
     """torch intra-op threads"""
     progress: bool = option(True)
     """show a progress bar on a terminal"""
+    log_dir: str | None = option(None)
+    """write TensorBoard event files here as the run trains (loss, samples/s, step and stage time, evaluations,
+    PS / all-to-all traffic, tier hit rates): one run per process (rank-R, worker-I subfolders)"""
+    log_every: int = option(100, ge=1)
+    """steps between the scalars written to --log-dir"""
     flush_denormal: bool = option(True)
     """flush denormal floats (tiny embedding weights slow CPU math ~2x)"""
     malloc_tuning: bool = option(False)

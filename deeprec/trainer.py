@@ -29,6 +29,7 @@ from deeprec.checkpoint import remove_stale_temporaries, save_checkpoint
 from deeprec.data import open_reader, resolve_schema, schema_to_dict
 from deeprec.data.reader import resolve_paths
 from deeprec.errors import ConfigError, EmptyShardError, NonFiniteError
+from deeprec.metrics import ranking_columns
 from deeprec.models.spec import canonical, is_zoo, load_model, same_model
 from deeprec.nn import EmbeddingVariable, incremental_state_dict
 from deeprec.nn.tiered import use_storage
@@ -38,6 +39,7 @@ from deeprec.runtime.device import DeviceBatches, resolve_device
 from deeprec.runtime.memory import tune_malloc
 from deeprec.runtime.signals import Interrupted, StopOnSignals
 from deeprec.runtime.strategy import LocalStrategy, Strategy
+from deeprec.runlog import RunLog
 from deeprec.train_config import TrainConfig
 
 log = logging.getLogger("deeprec.train")
@@ -131,6 +133,10 @@ class Trainer:
         if cfg.training.steps is not None and self.step > cfg.training.steps:
             raise ConfigError(f"--steps {cfg.training.steps} is below the {self.step} steps already done in "
                               f"{cfg.checkpoint.dir}: give --steps above {self.step} to train on")
+        self.runlog = None
+        if cfg.training.log_dir:  # after the resume: its step is where the run's events go on
+            self.runlog = RunLog(cfg.training.log_dir, self.strategy.run_name, cfg.training.log_every, self.step)
+            self.runlog.config(cfg)
 
     def _model_overrides(self) -> dict:
         overrides = dict(self.cfg.model.overrides)
@@ -193,7 +199,8 @@ class Trainer:
         """One pass over the evaluation data from its start, in bounded memory."""
         self.updater.prepare_eval()
         self.eval_reader.load_state_dict(self._eval_start)
-        return self.strategy.evaluate(self.model, self._on_device(self.eval_reader, staged=False))
+        return self.strategy.evaluate(self.model, self._on_device(self.eval_reader, staged=False),
+                                      **ranking_columns(self.schema))
 
     def _on_device(self, reader, staged: bool | None = None):
         """The reader's batches on the training device: SmartStage's stage copies what it cuts
@@ -207,6 +214,8 @@ class Trainer:
             return
         metrics = self._evaluate()
         self.eval_history.append({"step": self.step, **metrics})
+        if self.runlog is not None:
+            self.runlog.evaluation(self.step, metrics)
         progress.console.print(f"step {self.step} eval auc {metrics['auc']:.4f} logloss {metrics['logloss']:.4f} "
                                f"({metrics['rows']} rows)")
 
@@ -277,16 +286,22 @@ class Trainer:
                 progress.update(task, completed=self.step, loss=losses[-1], rate=rate)
                 if progress.disable and (self.step % 100 == 0):
                     self.console.print(f"step {self.step} loss {losses[-1]:.4f} {rate:,.0f} samples/s")
+                if self.runlog is not None:
+                    self._log_step(losses[-1], len(out["logits"]))
                 self._after_step(progress)
                 if self.strategy.agree(stop.requested):
                     self._stop(stop.signal)
-        with stop:  # a signal during the tail: it completes, then the run says it was stopped
+        closing_log = contextlib.closing(self.runlog) if self.runlog is not None else contextlib.nullcontext()
+        with stop, closing_log:  # a signal during the tail: it completes, then the run says it was stopped
             self.updater.finish()
             if self.exports is not None:
                 self._export_now(final=True)  # the served model catches up with the trained one
             elapsed = time.perf_counter() - started
             saved = self.save() if cfg.checkpoint.dir and self.step > start_step else None
             result = self._result(start_step, rows, losses, steady, started, elapsed, evaluate=not stop.requested)
+            evaluated = self.eval_history and self.eval_history[-1]["step"] == self.step
+            if self.runlog is not None and "eval" in result and not evaluated:
+                self.runlog.evaluation(self.step, result["eval"])
         if stop.requested:
             raise Interrupted(stop.signal, self.step, saved)
         return result
@@ -295,7 +310,16 @@ class Trainer:
         """A signal asked the run to stop: the step is done; checkpoint it and say where."""
         self.updater.finish()
         path = self.save() if self.cfg.checkpoint.dir else None
+        if self.runlog is not None:
+            self.runlog.close()
         raise Interrupted(signum, self.step, path)
+
+    def _log_step(self, loss: float, rows: int) -> None:
+        """--log-dir: the step into the window; SmartStage auto's pick once it has measured."""
+        self.runlog.step(self.step, loss, rows, self.fast.prefetch_stats,
+                         lambda: self.strategy.counters(self.model, self.updater))
+        if self.fast.auto_decision is not None:
+            self.runlog.text("smart_stage", self.fast.auto_decision.summary(), self.step)
 
     def _result(self, start_step, rows, losses, steady, started, elapsed, evaluate: bool = True) -> dict:
         result = {"steps": self.step, "steps_this_run": self.step - start_step, "rows": rows,

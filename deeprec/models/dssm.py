@@ -67,11 +67,22 @@ class DSSM(nn.Module):
         self.scale = nn.Parameter(torch.tensor(5.0))
         self.bias = nn.Parameter(torch.zeros(()))
 
-    def forward(self, batch: dict) -> dict:
+    def towers(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         embedded = self.embedder(batch)
-        user, item = self.user_tower(embedded), self.item_tower(embedded)
+        return self.user_tower(embedded), self.item_tower(embedded)
+
+    def forward(self, batch: dict) -> dict:
+        user, item = self.towers(batch)
         if self.config.similarity == "cosine":
             similarity = self.scale * F.cosine_similarity(user, item, dim=1)
         else:
             similarity = (user * item).sum(1)
         return binary_head(similarity + self.bias, batch, self.label_columns[0])
+
+    def retrieval_vectors(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """User and item vectors whose dot product orders a user's items as the logit does (what
+        deeprec.metrics' Recall@K / NDCG@K rank candidates with)."""
+        user, item = self.towers(batch)
+        if self.config.similarity == "cosine":
+            return self.scale * F.normalize(user, dim=1), F.normalize(item, dim=1)
+        return user, item

@@ -156,10 +156,11 @@ class Strategy(abc.ABC):
         return state["model"]
 
     # -- evaluation, exports, summary ---------------------------------------------------
-    def evaluate(self, model: nn.Module, batches) -> dict:
+    def evaluate(self, model: nn.Module, batches, **columns) -> dict:
+        """The metrics of one pass over `batches`; `columns`: deeprec.metrics' group_by / item_by."""
         from deeprec.metrics import evaluate
 
-        return evaluate(model, batches)
+        return evaluate(model, batches, **columns)
 
     def export_writer(self, directory: str, model: nn.Module, schema, spec: str, updater: Updater,
                       compile: bool = True):
@@ -168,6 +169,19 @@ class Strategy(abc.ABC):
         from deeprec.serving.online import ExportWriter
 
         return ExportWriter(directory, model, schema, spec, compile=compile)
+
+    @property
+    def run_name(self) -> str | None:
+        """This process's TensorBoard run under --log-dir (None: the folder itself)."""
+        return None
+
+    def counters(self, model: nn.Module, updater: Updater) -> dict[str, float]:
+        """What TensorBoard plots of this way of training as it runs (--log-dir): here the tiers'."""
+        from deeprec.nn.tiered import tier_summary
+
+        tiers = tier_summary(model)
+        keys = ("hit_rate", "dram_rows", "disk_rows", "bytes_read", "bytes_written")
+        return {} if tiers is None else {f"tiers/{k}": float(tiers[k]) for k in keys}
 
     def summary(self, model: nn.Module, updater: Updater, result: dict) -> dict:
         """This way of training's lines of the run's result (`result`: this process's so far)."""

@@ -238,7 +238,7 @@ def shard_embeddings(model: nn.Module, group=None) -> int:
     return swapped
 
 
-def evaluate_sharded(model: nn.Module, reader) -> dict:
+def evaluate_sharded(model: nn.Module, reader, **columns) -> dict:
     """deeprec.metrics' evaluation loop on every rank at once, each over its share of the evaluation
     data.
 
@@ -247,7 +247,7 @@ def evaluate_sharded(model: nn.Module, reader) -> dict:
     histograms and sums are then added up over the ranks, so every rank returns the whole."""
     from deeprec.metrics import run_evaluation
 
-    evaluation = run_evaluation(model, _lockstep(reader), progress=False)
+    evaluation = run_evaluation(model, _lockstep(reader), progress=False, **columns)
     with guard("the all-reduce of the evaluation metrics"):
         evaluation.all_reduce(device=_default_group_device())
     return evaluation.result()

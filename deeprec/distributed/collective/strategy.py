@@ -138,10 +138,20 @@ class Collective(Strategy):
 
         return one_process_state(model, state["model"])
 
-    def evaluate(self, model: nn.Module, batches) -> dict:
+    def evaluate(self, model: nn.Module, batches, **columns) -> dict:
         from deeprec.distributed.collective.sharded import evaluate_sharded
 
-        return evaluate_sharded(model, batches)
+        return evaluate_sharded(model, batches, **columns)
+
+    @property
+    def run_name(self) -> str:
+        return f"rank-{self.rank}"
+
+    def counters(self, model: nn.Module, updater) -> dict[str, float]:
+        """The all-to-all and dense all-reduce per step so far (ms, bytes, calls)."""
+        traffic = {f"collective/{k}": float(v) for k, v in updater.traffic().items()
+                   if k not in ("steps", "ranks", "dense_parameters")}
+        return {**super().counters(model, updater), **traffic}
 
     def summary(self, model: nn.Module, updater, result: dict) -> dict:
         """Communication per step, and the job's totals (every rank's rows; the slowest rank's time)."""

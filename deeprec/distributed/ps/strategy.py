@@ -63,6 +63,16 @@ class ParameterServer(Strategy):
                          sync_workers=self.world_size if cfg.distributed.sync else 1, worker_index=self.rank,
                          num_workers=self.world_size, dense=cfg.distributed.dense, master=self.master)
 
+    @property
+    def run_name(self) -> str:
+        return f"worker-{self.rank}"
+
+    def counters(self, model: nn.Module, updater) -> dict[str, float]:
+        """RPC traffic to the PSs per step so far (bytes each way, calls)."""
+        client, steps = updater.client, max(1, updater.step)
+        return {**super().counters(model, updater), "ps/bytes_sent_per_step": client.bytes_sent / steps,
+                "ps/bytes_received_per_step": client.bytes_received / steps, "ps/calls_per_step": client.calls / steps}
+
     def checkpoint_dir(self, base: str) -> str:
         import os
 
