@@ -50,7 +50,7 @@ class RunLog:
             os.makedirs(self.path, exist_ok=True)
         except OSError as err:
             raise ConfigError(f"--log-dir {log_dir}: cannot create {self.path}: {err.strerror}") from None
-        self.writer = SummaryWriter(self.path, purge_step=start_step or None)
+        self.writer = SummaryWriter(self.path, purge_step=start_step + 1 if start_step else None)  # past the resume
         self.every = every
         self._window(start_step, stage_seconds=0.0, staged=0)
         self.noted: set[str] = set()
