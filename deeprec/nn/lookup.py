@@ -157,8 +157,12 @@ def assemble(rows: torch.Tensor, inverse, offsets, weights, masks: Sequence[torc
         ids_end = _position(offsets, end, inverse.numel()) if masks else inverse.numel()
         bag_inverse, bag_offsets = inverse[:ids_end], offsets[:end + 1]
         # one id in every bag: pooling is a gather (the same values as embedding_bag's weighted sum of
-        # one row; an exported program, whose sizes are symbols, takes the general path)
-        if guard_or_false(bag_inverse.numel() == end):
+        # one row; an exported program, whose sizes are symbols, takes the general path). As many ids as
+        # bags is not enough (a bag of two and an empty one): every bag's length is checked too, in eager only
+        one_each = guard_or_false(bag_inverse.numel() == end) and not torch.compiler.is_compiling()
+        if one_each and bag_offsets.numel() > 1:
+            one_each = bool((bag_offsets[1:] - bag_offsets[:-1]).eq(1).all())
+        if one_each:
             flat = rows.index_select(0, bag_inverse)
         else:
             flat = torch.nn.functional.embedding_bag(bag_inverse, rows, bag_offsets, mode="sum",
