@@ -246,7 +246,9 @@ class EmbeddingCollection(nn.Module):
     """Embeddings of many features, looked up together: ids in, [B, F, D] out.
 
     ids per feature: a [B] tensor (one id per row), [B, L] (multi-hot; negative
-    = no id) or `Ragged(values, offsets)`. Invalid (negative) ids are pruned,
+    = no id) or `Ragged(values, offsets)`. Or a TorchRec KeyedJaggedTensor (pooled
+    features only): the result is then a KeyedTensor [B, F*D], as torchrec's
+    EmbeddingBagCollection returns (deeprec.interop.torchrec). Invalid (negative) ids are pruned,
     empty bags filled (`fill_id`) or zero, ids deduplicated, rows gathered once,
     and bags pooled with each feature's combiner (sum | mean | sqrtn).
 
@@ -275,6 +277,8 @@ class EmbeddingCollection(nn.Module):
         table_of = tuple(owner_index[f.table if f.table is not None else f.name] for f in ordered)
         self.table_of = None if table_of == tuple(range(len(ordered))) else table_of  # else keys merge per table
         self.lookup = FusedLookup(owners, embedding_dim, max_norm, init_bound, num_pooled=len(self.names))
+        self.embedding_dim = embedding_dim
+        self.kjt_known = None  # the KeyedJaggedTensor keys taken (None: the features'; others are an error)
 
     def set_optimizer(self, optimizer, fused: bool = True) -> "EmbeddingCollection":
         self.lookup.set_optimizer(optimizer, fused)
@@ -289,12 +293,26 @@ class EmbeddingCollection(nn.Module):
         self.lookup.discard_pending()
 
     def forward(self, ids):
-        ordered = [ids[name] for name in self._order] if isinstance(ids, dict) else list(ids)
+        # TorchRec's KeyedJaggedTensor, known without importing torchrec; traced, it is a Proxy (torchrec's
+        # classes are proxyable), which no other input is: the keys are checked when it runs
+        keyed = type(ids).__name__ == "KeyedJaggedTensor" or isinstance(ids, torch.fx.Proxy)
+        if keyed:
+            from deeprec.interop.torchrec import kjt_columns
+            if self.sequence_names:
+                raise ConfigError(f"sequence features ({', '.join(self.sequence_names)}) take padded ids [B, L], "
+                                  "not a KeyedJaggedTensor: a KJT input embeds pooled features only")
+            ordered = kjt_columns(ids, self._order, self.kjt_known)
+        else:
+            ordered = [ids[name] for name in self._order] if isinstance(ids, dict) else list(ids)
         uniques, inverse, offsets, weights, counts = prepare_bags(ordered, self.combiners, self.fill_ids)
         if self.table_of is not None:  # shared tables: one key set per table
             uniques, inverse, counts = merge_shared_tables(uniques, inverse, counts, self.table_of)
         if not self.sequence_names:
-            return self.lookup(uniques, inverse, offsets, weights, counts)
+            pooled = self.lookup(uniques, inverse, offsets, weights, counts)
+            if keyed:  # what torchrec's EmbeddingBagCollection returns: KeyedTensor [B, F*D], a view
+                from deeprec.interop.torchrec import to_keyed_tensor
+                return to_keyed_tensor(pooled, self.names, self.embedding_dim)
+            return pooled
         sequences = ordered[len(self.names):]
         for name, seq in zip(self.sequence_names, sequences):
             if isinstance(seq, tuple):
