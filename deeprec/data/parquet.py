@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 from deeprec.data.criteo import CRITEO_SCHEMA
 from deeprec.data.reader import BatchReader, resolve_paths
 from deeprec.data.schema import Schema, check_values, parse_numbers
+from deeprec.data.tables import partition_values
 from deeprec.errors import DataError
 from deeprec.ragged import Ragged
 
@@ -30,6 +31,7 @@ class ParquetReader(BatchReader):
     def __init__(self, paths, batch_size: int, *, columns: Schema = CRITEO_SCHEMA, **kwargs):
         super().__init__(resolve_paths(paths), batch_size, columns, **kwargs)  # self.columns: a Schema
         self._row_groups = {}
+        self._partitions = {}  # path -> {column: value} the schema takes from its key=value folders
         for path in self.paths:
             try:
                 handle = pq.ParquetFile(path)
@@ -37,9 +39,7 @@ class ParquetReader(BatchReader):
             except (pa.ArrowInvalid, OSError) as err:
                 raise DataError(f"not a readable Parquet file ({err})", path) from err
             names = set(handle.schema_arrow.names)  # top-level names (a list column's leaf is "element")
-            missing = [c for c in self.columns.names if c not in names]
-            if missing:
-                raise DataError(f"missing column(s) {', '.join(missing)}", path)
+            self._partitions[path] = self._check_columns(path, names)
             starts = np.concatenate([[0], np.cumsum([meta.row_group(i).num_rows
                                                      for i in range(meta.num_row_groups)])])
             self._row_groups[path] = starts
@@ -65,15 +65,39 @@ class ParquetReader(BatchReader):
         try:
             reader = pq.ParquetFile(path)
             batches = reader.iter_batches(batch_size=READ_ROWS, row_groups=[group],
-                                          columns=list(self.columns.names), use_threads=False)
+                                          columns=self._file_columns(path), use_threads=False)
             for batch in batches:
-                table = pa.Table.from_batches([batch])
+                table = self._with_partitions(path, pa.Table.from_batches([batch]))
                 done += batch.num_rows
                 yield self._conform(path, group, done - batch.num_rows, table)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as err:  # a corrupt page or file
             lost = group_rows - done  # the rest of the row group cannot be decoded: each row is bad
-            self._report(path, [(lambda: _where(group, done), f"cannot decode the rest of row group {group} "
+            self._report(path, [(lambda: self._where(group, done), f"cannot decode the rest of row group {group} "
                                  f"({lost} rows): {err}", lost)])
+
+    # -- columns from the file's partition folders (Hive tables) -----------------------------
+    def _check_columns(self, path: str, names) -> dict:
+        """The schema's columns that `path` lacks, taken from its key=value folders
+        (strings; the schema's kind casts them); any other missing column is a DataError."""
+        missing = [c for c in self.columns.names if c not in names]
+        folders = partition_values(path) if missing else {}
+        absent = [c for c in missing if c not in folders]
+        if absent:
+            raise DataError(f"missing column(s) {', '.join(absent)}", path)
+        return {c: folders[c] for c in missing}
+
+    def _file_columns(self, path: str) -> list:
+        return [c for c in self.columns.names if c not in self._partitions[path]]
+
+    def _with_partitions(self, path: str, table: pa.Table) -> pa.Table:
+        for name, value in self._partitions[path].items():
+            col = pa.nulls(table.num_rows, pa.string()) if value is None else pa.repeat(pa.scalar(value), table.num_rows)
+            table = table.append_column(name, col)
+        return table
+
+    @staticmethod
+    def _where(group: int, row: int) -> str:
+        return _where(group, row)
 
     def _conform(self, path: str, group: int, first_row: int, table: pa.Table) -> pa.Table:
         """The schema's types; a value that does not fit is a bad row (file:row group:row)."""
@@ -106,7 +130,8 @@ class ParquetReader(BatchReader):
             valid = checked if valid is None else pc.and_(valid, checked)
         if valid is not None and not pc.all(valid).as_py():
             bad_rows = np.flatnonzero(~valid.to_numpy(zero_copy_only=False))
-            self._report(path, [(lambda r=int(r): _where(group, first_row + r), reasons[int(r)], 1) for r in bad_rows])
+            self._report(path, [(lambda r=int(r): self._where(group, first_row + r), reasons[int(r)], 1)
+                                for r in bad_rows])
             table = table.filter(valid)
         return table
 

@@ -266,35 +266,51 @@ PARQUET_SUFFIXES = (".parquet", ".pq")
 
 def resolve_paths(paths: Sequence[str] | str, option: str | None = None) -> list[str]:
     """Expand directories and globs into a sorted list of files, all of one kind (Parquet or text);
-    errors start with `option` (the flag that gave the paths) when given."""
+    errors start with `option` (the flag that gave the paths) when given. URLs (s3://, gs://, hdfs://,
+    file://, any protocol fsspec knows) are expanded by `deeprec.data.fs.expand` and stay URLs."""
     import glob
     import os
+
+    from deeprec.data import fs
+
+    from deeprec.data.tables import file_format, list_table
 
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     out: list[str] = []
     named = f"{option}: " if option else ""
-    for p in map(str, paths):
-        if os.path.isdir(p):
+
+    def folder(p):
+        files = list_table(p)  # a Hive-partitioned table (key=value folders): recursive, partition order
+        if files is None:
             files = sorted(os.path.join(p, f) for f in os.listdir(p) if not f.startswith("."))
-            if not files:
-                raise ConfigError(named + f"directory {p!r} holds no data files (names starting with '.' are ignored)")
-            out.extend(files)
+        if not files:
+            raise ConfigError(named + f"directory {p!r} holds no data files (names starting with '.' are ignored)")
+        return files
+    for p in map(str, paths):
+        if fs.is_url(p):
+            out.extend(fs.expand(p, option))
+        elif os.path.isdir(p):
+            out.extend(folder(p))
         elif any(ch in p for ch in "*?["):
             matched = sorted(glob.glob(p))
             if not matched:
                 raise ConfigError(named + f"no file matches {p!r}")
-            out.extend(matched)
+            for m in matched:  # a glob over partition folders (dt=2026-11-2*) takes their files
+                out.extend(folder(m) if os.path.isdir(m) else [m])
         elif os.path.exists(p):
             out.append(p)
         else:
             raise ConfigError(named + f"no such file: {p!r}")
     for f in out:  # a device or a pipe (/dev/zero) never ends: refused before reading
-        if not os.path.isfile(f):
+        if not fs.is_url(f) and not os.path.isfile(f):
             raise ConfigError(named + f"{f!r} is not a regular file: give data files, folders of them, or globs")
-    parquet = [f for f in out if f.endswith(PARQUET_SUFFIXES)]
-    if parquet and len(parquet) != len(out):
-        text = next(f for f in out if not f.endswith(PARQUET_SUFFIXES))
-        raise ConfigError(named + f"the data mixes Parquet ({parquet[0]!r}) and text files ({text!r}): give one kind "
-                          "(a folder or glob of .parquet files, or of CSV/TSV files)")
+    formats = {}  # format -> its first file
+    for f in out:
+        formats.setdefault(file_format(f), f)
+    if len(formats) > 1:
+        kinds = {"parquet": "Parquet", "orc": "ORC", "text": "text files"}
+        mixed = " and ".join(f"{name} ({formats[k]!r})" for k, name in kinds.items() if k in formats)
+        raise ConfigError(named + f"the data mixes {mixed}: give one kind "
+                          "(a folder or glob of .parquet files, of .orc files, or of CSV/TSV files)")
     return out
