@@ -1,0 +1,368 @@
+"""Where data lives: local paths, fsspec URLs (s3://, gs://, hdfs://, file://, ...) and compressed files.
+
+    expand(pattern)       a path, folder, glob or URL -> the files it names (URLs stay URLs)
+    open_ranged(path)     seekable binary file; remote: ranged GETs of BLOCK_BYTES with read-ahead
+    open_stream(path)     sequential bytes, decompressed when the name ends .gz / .zst / .bz2
+    size(path), first_line(path), open_parquet(path)
+
+Local paths (no "scheme://") take the builtin `open`, as before. A URL goes through fsspec; its
+protocol's package is an optional extra (`pip install 'deeprec[s3]'`: s3fs), and its credentials
+come from where that package looks (environment, profile, instance role); fsspec's own settings
+(`FSSPEC_S3_ENDPOINT_URL=...`, `FSSPEC_S3='{"anon": true}'`) apply too. Errors name the file and
+what went wrong, never a secret: credential values found in the environment or in a URL are masked.
+"""
+from __future__ import annotations
+
+import io
+import os
+import queue
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator
+
+from deeprec.errors import ConfigError, DataError
+
+BLOCK_BYTES = 4 << 20  # one ranged GET
+READ_AHEAD = 2  # blocks fetched ahead of the one being read
+COMPRESSIONS = {".gz": "gzip", ".gzip": "gzip", ".zst": "zstd", ".zstd": "zstd", ".bz2": "bz2"}
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+# which extra installs a protocol's fsspec implementation
+EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "abfs": "azure", "az": "azure", "abfss": "azure",
+          "oss": "oss"}
+_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "GOOGLE_APPLICATION_CREDENTIALS",
+               "AZURE_STORAGE_KEY", "AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_SAS_TOKEN",
+               "OSS_ACCESS_KEY_SECRET", "OSS_ACCESS_KEY_ID")
+
+
+def is_url(path: str) -> bool:
+    return bool(_URL.match(str(path)))
+
+
+def protocol(path: str) -> str | None:
+    m = _URL.match(str(path))
+    return m.group(1).lower() if m else None
+
+
+def compression(path: str) -> str | None:
+    """The codec a file name says ("gzip", "zstd", "bz2"), or None."""
+    name = str(path).lower()
+    return next((codec for suffix, codec in COMPRESSIONS.items() if name.endswith(suffix)), None)
+
+
+def redact(text: str) -> str:
+    """`text` with credential values (from the environment or a URL's user:password@) masked."""
+    text = re.sub(r"(://[^/:@\s]*):[^/@\s]*@", r"\1:***@", str(text))
+    for name in _SECRET_ENV:
+        value = os.environ.get(name)
+        if value and len(value) >= 4:
+            text = text.replace(value, "***")
+    return text
+
+
+def filesystem(url: str):
+    """(fsspec filesystem, path within it) of a URL; a missing protocol package names its extra."""
+    try:
+        import fsspec
+    except ImportError as err:  # pragma: no cover - fsspec comes with torch
+        raise ConfigError(f"{redact(url)}: reading URLs needs fsspec (pip install fsspec)") from err
+    proto = protocol(url)
+    try:
+        return fsspec.core.url_to_fs(url)
+    except ImportError as err:
+        extra = EXTRAS.get(proto)
+        hint = f"pip install 'deeprec[{extra}]'" if extra else f"install fsspec's implementation of {proto}://"
+        raise ConfigError(f"{redact(url)}: {proto}:// needs a package that is not installed ({hint}): "
+                          f"{redact(err)}") from None
+    except ValueError as err:
+        raise ConfigError(f"{redact(url)}: {redact(err)}") from None
+
+
+def describe(err: BaseException) -> str:
+    """What went wrong, in words, without credentials."""
+    name = type(err).__name__
+    if isinstance(err, FileNotFoundError):
+        return "no such file or object"
+    if isinstance(err, PermissionError) or name in ("NoCredentialsError", "PartialCredentialsError",
+                                                    "ClientError") and "403" in str(err):
+        return ("access denied: check the credentials (the environment, e.g. AWS_ACCESS_KEY_ID / AWS_PROFILE, "
+                f"or the profile files) and the permissions of this object ({redact(err)})")
+    if name in ("NoCredentialsError", "PartialCredentialsError"):
+        return ("no credentials found: set them in the environment (e.g. AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE) or a profile file")
+    return f"cannot read ({name}: {redact(err)})"
+
+
+def remote_error(err: BaseException, path: str, option: str | None = None, cls=DataError):
+    named = f"{option}: " if option else ""
+    if cls is DataError:
+        return DataError(named + describe(err), redact(path))
+    return cls(f"{named}{redact(path)}: {describe(err)}")
+
+
+# -- listing -------------------------------------------------------------------
+def expand(pattern: str, option: str | None = None) -> list[str]:
+    """The files a URL names: itself, a folder's files (names starting with '.' or '_', such as
+    _SUCCESS, are skipped), or a glob's matches; sorted URLs. Errors are ConfigErrors named by `option`."""
+    named = f"{option}: " if option else ""
+    fs, path = filesystem(pattern)
+    proto = protocol(pattern)
+
+    def url(p: str) -> str:
+        return p if is_url(p) else f"{proto}://{p.lstrip('/') if proto != 'file' else p}"
+
+    try:
+        if any(ch in path for ch in "*?["):
+            matched = fs.glob(path, detail=True)
+            files = sorted(url(p) for p, info in matched.items() if info.get("type") != "directory")
+            if not files:
+                raise ConfigError(named + f"no file matches {redact(pattern)!r}")
+            return files
+        info = fs.info(path)
+        if info.get("type") == "directory":
+            files = sorted(url(i["name"]) for i in fs.ls(path, detail=True) if i.get("type") != "directory"
+                           and not os.path.basename(i["name"].rstrip("/")).startswith((".", "_")))
+            if not files:
+                raise ConfigError(named + f"folder {redact(pattern)!r} holds no data files (names starting with "
+                                  "'.' or '_' are ignored)")
+            return files
+        return [pattern]
+    except ConfigError:
+        raise
+    except FileNotFoundError:
+        raise ConfigError(named + f"no such file or object: {redact(pattern)!r}") from None
+    except Exception as err:  # credentials, network, a bucket that does not exist
+        raise ConfigError(f"{named}{redact(pattern)}: {describe(err)}") from None
+
+
+def size(path: str) -> int:
+    if not is_url(path):
+        return os.path.getsize(path)
+    fs, p = filesystem(path)
+    try:
+        return int(fs.size(p))
+    except Exception as err:
+        raise remote_error(err, path) from None
+
+
+# -- reading -------------------------------------------------------------------
+_pools: dict[int, ThreadPoolExecutor] = {}
+
+
+def _pool() -> ThreadPoolExecutor:
+    """One fetch pool per process (a forked DataLoader worker makes its own)."""
+    pid = os.getpid()
+    if pid not in _pools:
+        _pools[pid] = ThreadPoolExecutor(max_workers=8, thread_name_prefix="deeprec-fetch")
+    return _pools[pid]
+
+
+class RangeFile(io.RawIOBase):
+    """A read-only seekable view of a remote object made of ranged reads of `block` bytes; reading
+    block i fetches blocks i+1..i+ahead in the background (up to `stop`), so the next GETs overlap
+    the parsing of this one. Only the current and previous blocks are kept."""
+
+    def __init__(self, url: str, *, block: int = BLOCK_BYTES, ahead: int = READ_AHEAD, stop: int | None = None):
+        self.url = url
+        self._fs, self._path = filesystem(url)
+        self._size = size(url)
+        self._block, self._ahead = block, ahead
+        self._stop = self._size if stop is None else min(self._size, stop + block)
+        self._blocks: dict = {}
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = pos if whence == 0 else self._pos + pos if whence == 1 else self._size + pos
+        return self._pos
+
+    def _fetch(self, i: int) -> bytes:
+        start = i * self._block
+        return self._fs.cat_file(self._path, start=start, end=min(self._size, start + self._block))
+
+    def _get(self, i: int) -> bytes:
+        for j in range(i, i + self._ahead + 1):
+            if j not in self._blocks and (j == i or j * self._block < self._stop):
+                self._blocks[j] = _pool().submit(self._fetch, j)
+        for j in [j for j in self._blocks if j < i - 1]:
+            self._blocks.pop(j).cancel()
+        try:
+            return self._blocks[i].result()
+        except Exception as err:
+            self._blocks.pop(i, None)
+            raise remote_error(err, self.url) from None
+
+    def read(self, n: int = -1) -> bytes:
+        n = self._size - self._pos if n is None or n < 0 else min(n, self._size - self._pos)
+        parts = []
+        while n > 0:
+            i, off = divmod(self._pos, self._block)
+            piece = memoryview(self._get(i))[off:off + n]
+            if not piece:
+                break
+            parts.append(piece)
+            self._pos += len(piece)
+            n -= len(piece)
+        return b"".join(parts)
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+    def readline(self, limit: int = -1) -> bytes:
+        parts = []
+        while self._pos < self._size:
+            i, off = divmod(self._pos, self._block)
+            block = self._get(i)
+            newline = block.find(b"\n", off)
+            piece = block[off:] if newline == -1 else block[off:newline + 1]
+            parts.append(piece)
+            self._pos += len(piece)
+            if newline != -1:
+                break
+        return b"".join(parts)
+
+    def close(self) -> None:
+        for future in self._blocks.values():
+            future.cancel()
+        self._blocks.clear()
+        super().close()
+
+
+def open_ranged(path: str, *, stop: int | None = None, block: int = BLOCK_BYTES):
+    """A seekable binary file of the raw bytes (no decompression)."""
+    if not is_url(path):
+        return open(path, "rb")
+    return RangeFile(path, stop=stop, block=block)
+
+
+def open_raw_stream(path: str):
+    """Sequential raw bytes: local `open`, or a RangeFile reading ahead."""
+    return open_ranged(path)
+
+
+class _Decompressed(io.RawIOBase):
+    """A sequential file of the decompressed bytes (pyarrow's codecs: gzip incl. concatenated
+    members, zstd, bz2), errors as DataErrors naming the file."""
+
+    def __init__(self, path: str, codec: str):
+        import pyarrow as pa
+
+        self.path = path
+        self._raw = open_raw_stream(path)
+        self._stream = pa.CompressedInputStream(self._raw, codec)
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        try:
+            return self._stream.read(None if n is None or n < 0 else n)
+        except DataError:
+            raise
+        except Exception as err:
+            raise DataError(f"cannot decompress ({redact(err)}): a truncated or corrupt "
+                            f"{compression(self.path)} file", redact(self.path)) from None
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        self._stream.close()
+        self._raw.close()
+        super().close()
+
+
+def open_stream(path: str):
+    """Sequential bytes of the file's content: decompressed when its name says it is compressed."""
+    codec = compression(path)
+    if codec is None:
+        return open_raw_stream(path)
+    return io.BufferedReader(_Decompressed(path, codec), buffer_size=1 << 16)
+
+
+def first_line(path: str) -> bytes:
+    """The first line of the (decompressed) content, newline included."""
+    if not is_url(path) and compression(path) is None:
+        with open(path, "rb") as f:
+            return f.readline()
+    if compression(path) is None:
+        with RangeFile(path, block=64 << 10, ahead=0) as f:
+            return f.readline()
+    with open_stream(path) as f:
+        return f.readline()
+
+
+def iter_blocks(path: str, block: int = BLOCK_BYTES, ahead: int = READ_AHEAD) -> Iterator[bytes]:
+    """The (decompressed) content in blocks of about `block` bytes, read `ahead` blocks ahead in a thread
+    (decompression in pyarrow and remote reads release the GIL, so they overlap the parsing)."""
+    def produce():
+        with open_stream(path) as f:
+            while True:
+                data = f.read(block)
+                if not data:
+                    return
+                yield data
+
+    return _prefetched(produce(), ahead)
+
+
+def _prefetched(items: Iterator, depth: int) -> Iterator:
+    if depth <= 0:
+        yield from items
+        return
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def run():
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        q.put((item, None), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put((done, None))
+        except BaseException as err:  # handed to the consumer
+            q.put((done, err))
+
+    thread = threading.Thread(target=run, name="deeprec-read-ahead", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item, err = q.get()
+            if item is done:
+                if err is not None:
+                    raise err
+                return
+            yield item
+    finally:
+        stop.set()
+
+
+def open_parquet(path: str):
+    """A pyarrow ParquetFile; remote files through their fsspec filesystem (ranged reads)."""
+    import pyarrow.parquet as pq
+
+    if not is_url(path):
+        return pq.ParquetFile(path)
+    fs, p = filesystem(path)
+    try:
+        return pq.ParquetFile(fs.open(p, "rb", block_size=BLOCK_BYTES, cache_type="readahead"), pre_buffer=True)
+    except (FileNotFoundError, PermissionError) as err:
+        raise remote_error(err, path) from None
