@@ -297,14 +297,16 @@ def cmd_synth(args, console: Console) -> int:
 
 
 def cmd_convert(args, console: Console) -> int:
-    from deeprec.data import open_reader, write_parquet
+    from deeprec.data import file_format, open_reader, write_orc, write_parquet
     from deeprec.data.reader import resolve_paths
 
     files = resolve_paths(args.input, "input")
-    if any(f.endswith((".parquet", ".pq")) for f in files):
-        raise ConfigError("input: these are Parquet files already; data convert reads CSV/TSV")
+    out_format = "orc" if args.out.endswith(".orc") else "parquet"  # --out x.orc writes ORC (Hive/ODPS tables)
+    if file_format(files[0]) == out_format:
+        raise ConfigError(f"input: these are {'ORC' if out_format == 'orc' else 'Parquet'} files already; "
+                          "data convert reads CSV/TSV (or the other columnar format)")
     reader = open_reader(files, 65536, schema=args.schema, on_bad_row=args.on_bad_row)
-    rows = write_parquet(reader, args.out)
+    rows = (write_orc if out_format == "orc" else write_parquet)(reader, args.out)
     print(json.dumps({"rows": rows, "out": args.out, "schema": reader.schema.name}))
     return 0
 
@@ -435,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     sy.add_argument("--cardinalities", choices=CARDINALITIES, default="kaggle")
     sy.add_argument("--seed", type=at_least(0), default=0)
     sy.set_defaults(func=cmd_synth)
-    cv = data.add_parser("convert", help="CSV/TSV to Parquet (any schema)")
+    cv = data.add_parser("convert", help="CSV/TSV to Parquet, or to ORC with --out x.orc (any schema)")
     cv.add_argument("input", nargs="+", help="CSV/TSV files, folders or globs, in any layout a schema describes")
     cv.add_argument("--schema", help="the data's columns: a preset (criteo, avazu, movielens, byterec, behavior) or "
                     "a TOML schema file (default: the preset the data matches); train on the result with the same "

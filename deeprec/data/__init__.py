@@ -50,6 +50,6 @@ def open_reader(paths, batch_size: int, schema=None, **kwargs) -> BatchReader:
 
 __all__ = ["collate", "BatchReader", "CriteoReader", "CsvReader", "ParquetReader", "OrcReader", "write_orc", "ReaderStats", "Column",
            "Schema", "CRITEO_SCHEMA", "PRESETS", "detect_preset", "schema_for", "load_schema", "schema_from_dict",
-           "schema_to_dict", "resolve_schema", "write_behavior",
+           "schema_to_dict", "resolve_schema", "write_behavior", "file_format",
            "LABEL", "DENSE", "SPARSE", "KAGGLE_CARDINALITIES",
            "SMALL_CARDINALITIES", "detect_layout", "open_reader", "write_parquet", "write_synthetic"]
