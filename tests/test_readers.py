@@ -183,12 +183,12 @@ def test_missing_file_is_a_clear_error():
         CriteoReader("/nonexistent/day_0.tsv", 8)
 
 
-def test_compressed_input_is_a_clear_error(tmp_path, sample):
+def test_gzip_without_its_suffix_is_a_clear_error(tmp_path, sample):
     import gzip
 
-    path = tmp_path / "day_0.gz"
+    path = tmp_path / "day_0"  # a .gz is read as a stream (tests/test_remote_data.py); unnamed, it is named
     path.write_bytes(gzip.compress(open(sample, "rb").read()))
-    with pytest.raises(DataError, match="day_0.gz: gzip-compressed input is not read directly"):
+    with pytest.raises(DataError, match="day_0: gzip-compressed data in a file whose name does not end .gz"):
         CriteoReader(str(path), 8)
 
 

@@ -7,12 +7,15 @@ memory stays bounded by the chunk size whatever the file size. A row that does
 not fit the schema (wrong field count, a non-number in a numeric column, a label
 that is not 0/1) is raised as DataError with file:line, or skipped and counted
 (`on_bad_row="skip"`).
+
+Files may be URLs (`deeprec.data.fs`): a byte range is read with ranged GETs and read-ahead, never
+the whole object. Compressed files (.gz, .zst, .bz2) cannot be cut by bytes: each is one unit,
+read as a stream (decompressed ahead in a thread), and so sharded by file.
 """
 from __future__ import annotations
 
 import csv
 import io
-import os
 import re
 from dataclasses import dataclass
 from typing import Iterator
@@ -22,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
+from deeprec.data import fs
 from deeprec.data.reader import BatchReader, resolve_paths
 from deeprec.data.schema import Schema, check_values, parse_numbers
 from deeprec.errors import DataError
@@ -61,11 +65,10 @@ def summarize_names(names) -> str:
 
 def detect_layout(path: str, schema: Schema) -> FileLayout:
     """The delimiter and whether the first line is a header, checked against the schema."""
-    with open(path, "rb") as f:
-        first = f.readline()
-    if first.startswith(b"\x1f\x8b"):
-        raise DataError("gzip-compressed input is not read directly (byte-range sharding needs "
-                        "seekable text): decompress it first (gunzip -k FILE)", path)
+    first = fs.first_line(path)
+    if first.startswith(b"\x1f\x8b") and fs.compression(path) is None:
+        raise DataError("gzip-compressed data in a file whose name does not end .gz: name it *.gz to read it "
+                        "as a compressed stream (or decompress it: gunzip -k FILE)", path)
     text = first.decode("utf-8", errors="replace").rstrip("\r\n")
     delimiter = schema.delimiter if schema.delimiter != "auto" else ("\t" if "\t" in text else ",")
     fields = [f.strip().strip('"') for f in text.split(delimiter)]
@@ -88,7 +91,7 @@ def detect_layout(path: str, schema: Schema) -> FileLayout:
 def count_lines_before(path: str, offset: int) -> int:
     """Number of newlines in the first `offset` bytes (for error locations)."""
     count = 0
-    with open(path, "rb") as f:
+    with fs.open_stream(path) as f:  # compressed files: offsets are in the decompressed content
         while offset > 0:
             block = f.read(min(offset, 16 << 20))
             if not block:
@@ -98,10 +101,30 @@ def count_lines_before(path: str, offset: int) -> int:
     return count
 
 
+def iter_stream_chunks(path: str, data_start: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, bytes]]:
+    """(offset, bytes) chunks of whole lines of the (decompressed) content past `data_start`."""
+    pos, carry = 0, b""
+    for block in fs.iter_blocks(path, chunk_bytes):
+        if pos + len(carry) + len(block) <= data_start:  # the header
+            pos += len(block)
+            continue
+        buf = carry + block
+        if pos < data_start:
+            buf, pos = buf[data_start - pos:], data_start
+        newline = buf.rfind(b"\n")
+        if newline == -1:
+            carry = buf
+            continue
+        yield pos, buf[:newline + 1]
+        pos, carry = pos + newline + 1, buf[newline + 1:]
+    if carry:
+        yield pos, carry
+
+
 def iter_line_chunks(path: str, start: int, end: int, data_start: int,
                      chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, bytes]]:
     """(offset, bytes) chunks holding exactly the lines that begin in [start, end)."""
-    with open(path, "rb") as f:
+    with fs.open_ranged(path, stop=end, block=max(chunk_bytes, 64 << 10)) as f:
         pos = max(start, data_start)
         if pos > data_start:  # move to the first line that begins at or after `start`
             f.seek(pos - 1)
@@ -136,6 +159,7 @@ class CsvReader(BatchReader):
         self.schema = schema
         self.chunk_bytes = chunk_bytes
         self._layouts = {p: detect_layout(p, schema) for p in self.paths}
+        self._sizes = {p: fs.size(p) for p in self.paths if fs.compression(p) is None}
         self.check_nonempty()
 
     def _all_units(self) -> list:
@@ -143,8 +167,11 @@ class CsvReader(BatchReader):
         # so by the base class's round-robin rule it belongs to shard k.
         units = []
         for path in self.paths:
+            if fs.compression(path):  # a stream: one unit, the whole file
+                units.append((path, 0, None))
+                continue
             layout = self._layouts[path]
-            size = os.path.getsize(path)
+            size = self._sizes[path]
             body = max(size - layout.data_start, 0)
             bounds = [layout.data_start + body * k // self.num_shards for k in range(self.num_shards + 1)]
             units.extend((path, bounds[k], bounds[k + 1]) for k in range(self.num_shards))
@@ -153,10 +180,12 @@ class CsvReader(BatchReader):
     def _unit_has_rows(self, unit) -> bool:
         """Whether a line begins in the byte range (reads one line, as iter_line_chunks does)."""
         path, start, end = unit
+        if end is None:
+            return True
         data_start = self._layouts[path].data_start
         pos = max(start, data_start)
         if pos > data_start and pos < end:
-            with open(path, "rb") as f:
+            with fs.open_ranged(path, block=64 << 10) as f:
                 f.seek(pos - 1)
                 pos = pos - 1 + len(f.readline())
         return pos < end
@@ -164,21 +193,38 @@ class CsvReader(BatchReader):
     def _capacity(self) -> tuple[int, str]:
         # estimated from each file's first row: a byte range at least a row long starts a row
         best, row_bytes = 0, 0
+        streams = sum(1 for p in self.paths if fs.compression(p))
         for path in self.paths:
+            if fs.compression(path):
+                continue
             start = self._layouts[path].data_start
-            with open(path, "rb") as f:
+            with fs.open_ranged(path, block=64 << 10) as f:
                 f.seek(start)
                 first = len(f.readline())
             if first:
-                body = os.path.getsize(path) - start
+                body = self._sizes[path] - start
                 if body // first >= best:
                     best, row_bytes = body // first, first
-        return best, (f"text files are cut into byte ranges and a row is about {row_bytes} bytes, so the data "
-                      f"gives about {best} shard(s)")
+        compressed = (f"compressed files (.gz, .zst, .bz2) cannot be cut by bytes, so they are sharded by file: "
+                      f"{streams} compressed file(s) give at most {streams} shard(s)")
+        if streams == len(self.paths):
+            return streams, compressed
+        text = (f"text files are cut into byte ranges and a row is about {row_bytes} bytes, so the data "
+                f"gives about {best} shard(s)")
+        return best + streams, text if not streams else f"{text}; {compressed}"
+
+    def _unit_words(self) -> str:
+        if all(fs.compression(p) for p in self.paths):
+            return "compressed files are read whole, one file per unit"
+        return "text byte ranges, or whole compressed files"
 
     def _read_unit(self, unit) -> Iterator[pa.Table]:
         path, start, end = unit
         layout = self._layouts[path]
+        if end is None:
+            for offset, chunk in iter_stream_chunks(path, layout.data_start, self.chunk_bytes):
+                yield self._parse_chunk(path, layout, offset, chunk)
+            return
         for offset, chunk in iter_line_chunks(path, start, end, layout.data_start, self.chunk_bytes):
             yield self._parse_chunk(path, layout, offset, chunk)
 

@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from deeprec.data import fs
 from deeprec.data.criteo import CRITEO_SCHEMA
 from deeprec.data.reader import BatchReader, resolve_paths
 from deeprec.data.schema import Schema, check_values, parse_numbers
@@ -34,7 +35,7 @@ class ParquetReader(BatchReader):
         self._partitions = {}  # path -> {column: value} the schema takes from its key=value folders
         for path in self.paths:
             try:
-                handle = pq.ParquetFile(path)
+                handle = fs.open_parquet(path)
                 meta = handle.metadata
             except (pa.ArrowInvalid, OSError) as err:
                 raise DataError(f"not a readable Parquet file ({err})", path) from err
@@ -63,7 +64,7 @@ class ParquetReader(BatchReader):
         group_rows = int(self._row_groups[path][group + 1] - self._row_groups[path][group])
         done = 0
         try:
-            reader = pq.ParquetFile(path)
+            reader = fs.open_parquet(path)
             batches = reader.iter_batches(batch_size=READ_ROWS, row_groups=[group],
                                           columns=self._file_columns(path), use_threads=False)
             for batch in batches:

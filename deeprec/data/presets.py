@@ -48,8 +48,9 @@ PRESETS = {"criteo": CRITEO_SCHEMA, "avazu": AVAZU_SCHEMA, "movielens": MOVIELEN
 
 
 def _first_line(path: str) -> str:
-    with open(path, "rb") as f:
-        return f.readline().decode("utf-8", errors="replace").rstrip("\r\n")
+    from deeprec.data import fs  # a URL or a compressed file too
+
+    return fs.first_line(path).decode("utf-8", errors="replace").rstrip("\r\n")
 
 
 def detect_preset(path: str) -> str:

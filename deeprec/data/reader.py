@@ -11,6 +11,7 @@ exactly-once, determinism and error guarantees.
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -87,8 +88,16 @@ class BatchReader(torch.utils.data.IterableDataset):
         units = [u for i, u in enumerate(self._all_units()) if i % self.num_shards in self.shards]
         worker = torch.utils.data.get_worker_info()
         if worker is not None and worker.num_workers > 1:  # inside a DataLoader: split among its workers
+            if worker.id >= len(units):  # idle, and said so (compressed files are one unit each)
+                warnings.warn(f"DataLoader worker {worker.id} of {worker.num_workers} has nothing to read: this "
+                              f"reader's shard holds {len(units)} unit(s) ({self._unit_words()}); use num_workers "
+                              f"<= {max(len(units), 1)} or more files", RuntimeWarning, stacklevel=2)
             units = units[worker.id::worker.num_workers]
         return units
+
+    def _unit_words(self) -> str:
+        """What a unit is, for messages."""
+        return "byte ranges or row groups"
 
     def _read_unit(self, unit) -> Iterator[pa.Table]:
         """Valid rows of one unit as tables with columns `self.columns.names`."""

@@ -1,0 +1,293 @@
+"""Remote data (fsspec URLs) against a real S3 server on loopback, and compressed files (.gz, .zst, .bz2).
+
+The S3 server is moto's standalone server (`moto_server`, pip `moto[server]`), started by the
+`s3` fixture on a free loopback port with IAM authentication on, so wrong credentials are refused
+as AWS refuses them; every read is real HTTP through s3fs.
+"""
+import bz2
+import gzip
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+boto3 = pytest.importorskip("boto3")
+pytest.importorskip("s3fs")
+if shutil.which("moto_server", path=os.path.dirname(sys.executable)) is None:
+    pytest.skip("moto_server (pip install 'moto[server]') is not installed", allow_module_level=True)
+
+from deeprec.data import CriteoReader, ParquetReader, open_reader, write_parquet  # noqa: E402
+from deeprec.data.reader import resolve_paths  # noqa: E402
+from deeprec.errors import ConfigError, DataError, EmptyShardError  # noqa: E402
+
+BUCKET = "deeprec-test"
+ENV = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_PROFILE",
+       "AWS_SESSION_TOKEN", "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fresh_s3fs():
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()  # the next URL builds a client from the environment now
+
+
+class S3:
+    def __init__(self, url, key, secret, client):
+        self.url, self.key, self.secret, self.client = url, key, secret, client
+
+    def put(self, key: str, body: bytes) -> str:
+        self.client.put_object(Bucket=BUCKET, Key=key, Body=body)
+        return f"s3://{BUCKET}/{key}"
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A moto S3 server on 127.0.0.1:<free port>, IAM on: the first 3 calls (unauthenticated) make a
+    user, its policy and its access key; the environment then holds that key, as a job's would."""
+    port = _free_port()
+    home = tmp_path_factory.mktemp("moto")
+    server = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H", "127.0.0.1",
+                               "-p", str(port)], env=dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT="3"),
+                              cwd=home, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    saved = {k: os.environ.get(k) for k in ENV}
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError("moto_server did not start")
+                time.sleep(0.1)
+        url = f"http://127.0.0.1:{port}"
+        iam = boto3.client("iam", endpoint_url=url, region_name="us-east-1", aws_access_key_id="setup",
+                           aws_secret_access_key="setup")
+        iam.create_user(UserName="trainer")
+        iam.put_user_policy(UserName="trainer", PolicyName="all", PolicyDocument='{"Version": "2012-10-17", '
+                            '"Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}')
+        key = iam.create_access_key(UserName="trainer")["AccessKey"]
+        client = boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id=key["AccessKeyId"],
+                              aws_secret_access_key=key["SecretAccessKey"])
+        client.create_bucket(Bucket=BUCKET)
+        for k in ENV:
+            os.environ.pop(k, None)
+        os.environ.update(AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID=key["AccessKeyId"],
+                          AWS_SECRET_ACCESS_KEY=key["SecretAccessKey"], AWS_DEFAULT_REGION="us-east-1",
+                          AWS_SHARED_CREDENTIALS_FILE=str(home / "none"), AWS_CONFIG_FILE=str(home / "none"))
+        _fresh_s3fs()
+        yield S3(url, key["AccessKeyId"], key["SecretAccessKey"], client)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        _fresh_s3fs()
+        server.terminate()
+        server.wait(10)
+
+
+@pytest.fixture(scope="module")
+def days(unique_tsv):
+    """The 10,000 unique rows as two headerless TSV days of 5,000 rows (bytes)."""
+    lines = open(unique_tsv, "rb").read().splitlines(keepends=True)
+    return b"".join(lines[:5000]), b"".join(lines[5000:])
+
+
+@pytest.fixture(scope="module")
+def remote_days(s3, days):
+    return [s3.put(f"days/day_{k}.tsv", body) for k, body in enumerate(days)]
+
+
+def _ids(reader) -> list[bytes]:
+    """C1 of every row read (unique per row in `days`), in order."""
+    return [c for batch in reader for c in batch["C1"].tolist()]
+
+
+def _all_ids(days) -> list[bytes]:
+    return [line.split(b"\t")[14] for body in days for line in body.splitlines()]
+
+
+def test_a_glob_over_s3_reads_every_row_as_the_local_files(s3, remote_days, days):
+    assert resolve_paths([f"s3://{BUCKET}/days/day_*.tsv"], "--data") == remote_days
+    assert resolve_paths([f"s3://{BUCKET}/days"], "--data") == remote_days  # a folder (prefix)
+    reader = CriteoReader(f"s3://{BUCKET}/days/day_*.tsv", 256, chunk_bytes=64 << 10)  # many ranged reads
+    assert _ids(reader) == _all_ids(days)
+    assert open_reader([f"s3://{BUCKET}/days/*.tsv"], 256).schema.name == "Criteo"  # preset from the first line
+
+
+def test_two_shards_over_s3_read_every_row_once(remote_days, days):
+    shards = [_ids(CriteoReader(remote_days, 128, num_shards=2, shard_index=k, chunk_bytes=64 << 10))
+              for k in range(2)]
+    assert all(shards) and sorted(shards[0] + shards[1]) == sorted(_all_ids(days))
+    assert not set(shards[0]) & set(shards[1])
+
+
+def test_two_dataloader_workers_over_s3_read_every_row_once(remote_days, days):
+    import torch.utils.data
+
+    reader = CriteoReader(remote_days, 256, chunk_bytes=64 << 10, num_shards=3, shard_index=1)
+    loader = torch.utils.data.DataLoader(reader, batch_size=None, num_workers=2)
+    ids = [c for batch in loader for c in batch["C1"].tolist()]
+    alone = _ids(CriteoReader(remote_days, 256, chunk_bytes=64 << 10, num_shards=3, shard_index=1))
+    assert sorted(ids) == sorted(alone) and len(set(ids)) == len(ids) > 0
+
+
+def test_resume_over_s3_continues_exactly(remote_days):
+    def reader():
+        return CriteoReader(remote_days, 100, shuffle_buffer=500, seed=3, num_shards=2, shard_index=1,
+                            chunk_bytes=64 << 10)
+
+    whole = _ids(reader())
+    first = reader()
+    it = iter(first)
+    head = [c for _ in range(7) for c in next(it)["C1"].tolist()]
+    state = first.state_dict()
+    again = reader()
+    again.load_state_dict(state)
+    assert head + _ids(again) == whole
+
+
+def test_a_bad_row_is_named_by_its_url_and_line(s3, days):
+    lines = days[0].splitlines(keepends=True)[:20]
+    lines[12] = b"1\tnot-a-number" + lines[12][lines[12].index(b"\t", 2):]
+    url = s3.put("bad/day.tsv", b"".join(lines))
+    with pytest.raises(DataError, match=rf"^s3://{BUCKET}/bad/day.tsv:13: ") as caught:
+        _ids(CriteoReader(url, 8))
+    assert caught.value.path == url and caught.value.line == 13
+    skipping = CriteoReader(url, 8, on_bad_row="skip")
+    assert len(_ids(skipping)) == 19 and skipping.stats.bad_row_examples[0].startswith(f"{url}:13: ")
+
+
+def test_a_missing_object_is_named_by_its_flag(s3, remote_days):
+    with pytest.raises(ConfigError, match=rf"^--data: no such file or object: 's3://{BUCKET}/days/day_9.tsv'"):
+        resolve_paths([f"s3://{BUCKET}/days/day_9.tsv"], "--data")
+    with pytest.raises(ConfigError, match=rf"^--eval-data: no file matches 's3://{BUCKET}/nothing/\*.tsv'"):
+        resolve_paths([f"s3://{BUCKET}/nothing/*.tsv"], "--eval-data")
+    with pytest.raises(ConfigError, match="no such file or object"):
+        CriteoReader("s3://no-such-bucket-here/day_0.tsv", 8)
+
+
+def test_wrong_credentials_are_refused_without_echoing_the_secret(s3, remote_days):
+    wrong = "wrongSecretValue0123456789abcdefWRONGxyz"
+    os.environ["AWS_SECRET_ACCESS_KEY"] = wrong
+    _fresh_s3fs()
+    try:
+        with pytest.raises(ConfigError) as caught:
+            resolve_paths(remote_days[:1], "--data")
+        text = str(caught.value)
+        assert text.startswith(f"--data: {remote_days[0]}: access denied: check the credentials"), text
+        assert wrong not in text and s3.secret not in text and s3.key not in text
+    finally:
+        os.environ["AWS_SECRET_ACCESS_KEY"] = s3.secret
+        _fresh_s3fs()
+    assert resolve_paths(remote_days[:1], "--data") == remote_days[:1]  # the right key reads again
+
+
+def test_parquet_over_s3_reads_row_groups_by_ranges(s3, days, tmp_path):
+    local = str(tmp_path / "day.parquet")
+    src = tmp_path / "day.tsv"
+    src.write_bytes(days[0])
+    write_parquet(CriteoReader(str(src), 1000), local, row_group_rows=1000)
+    url = s3.put("pq/day.parquet", open(local, "rb").read())
+    assert _ids(ParquetReader(url, 256)) == _ids(ParquetReader(local, 256))
+    halves = [_ids(ParquetReader(url, 256, num_shards=2, shard_index=k)) for k in range(2)]
+    assert sorted(halves[0] + halves[1]) == sorted(_all_ids(days[:1])) and len(halves[0]) == 3000
+
+
+# -- compressed files ------------------------------------------------------------
+def _compress(codec: str, body: bytes) -> bytes:
+    if codec == "gz":
+        return gzip.compress(body)
+    if codec == "bz2":
+        return bz2.compress(body)
+    import pyarrow as pa
+
+    return pa.compress(body, "zstd", asbytes=True)  # one zstd frame, as the zstd tool writes
+
+
+@pytest.mark.parametrize("codec", ["gz", "zst", "bz2"])
+def test_compressed_files_read_as_the_plain_ones(codec, days, tmp_path):
+    paths = []
+    for k, body in enumerate(days):
+        path = tmp_path / f"day_{k}.tsv.{codec}"
+        path.write_bytes(_compress(codec, body))
+        paths.append(str(path))
+    assert _ids(CriteoReader(paths, 256, chunk_bytes=64 << 10)) == _all_ids(days)
+
+
+def test_gzip_with_a_header_and_concatenated_members(sample, tmp_path):
+    body = open(sample, "rb").read()
+    head, rest = body.split(b"\n", 1)[0] + b"\n", body.split(b"\n", 1)[1]
+    cut = len(rest) // 2
+    path = tmp_path / "sample.csv.gz"  # two gzip members, as `cat a.gz b.gz` or Hadoop writes
+    path.write_bytes(gzip.compress(head + rest[:cut]) + gzip.compress(rest[cut:]))
+    assert _ids(open_reader(str(path), 64, chunk_bytes=1000)) == _ids(open_reader(sample, 64))
+
+
+def test_compressed_files_are_sharded_by_file_and_resume(days, tmp_path):
+    paths = []
+    for k, body in enumerate(days):
+        path = tmp_path / f"day_{k}.tsv.gz"
+        path.write_bytes(gzip.compress(body))
+        paths.append(str(path))
+    shards = [_ids(CriteoReader(paths, 128, num_shards=2, shard_index=k)) for k in range(2)]
+    assert shards == [_all_ids(days[:1]), _all_ids(days[1:])]  # one file each
+    with pytest.raises(EmptyShardError, match="compressed files .* cannot be cut by bytes, so they are sharded by "
+                                              "file: 2 compressed file.s. give at most 2 shard"):
+        CriteoReader(paths, 128, num_shards=3, shard_index=2)
+    whole = _ids(CriteoReader(paths, 100, shuffle_buffer=300, seed=1))
+    first = CriteoReader(paths, 100, shuffle_buffer=300, seed=1)
+    it = iter(first)
+    head = [c for _ in range(60) for c in next(it)["C1"].tolist()]  # into the second file
+    again = CriteoReader(paths, 100, shuffle_buffer=300, seed=1)
+    again.load_state_dict(first.state_dict())
+    assert head + _ids(again) == whole
+
+
+def test_a_bad_row_in_a_gzip_is_named_by_its_line(days, tmp_path):
+    lines = days[0].splitlines(keepends=True)[:3000]
+    lines[2500] = b"x" + lines[2500]
+    path = tmp_path / "day.tsv.gz"
+    path.write_bytes(gzip.compress(b"".join(lines)))
+    with pytest.raises(DataError, match=r"day.tsv.gz:2501: "):
+        _ids(CriteoReader(str(path), 64, chunk_bytes=64 << 10))
+
+
+def test_a_truncated_gzip_is_a_data_error(days, tmp_path):
+    path = tmp_path / "day.tsv.gz"
+    path.write_bytes(gzip.compress(days[0])[:-5000])
+    with pytest.raises(DataError, match="day.tsv.gz: cannot decompress"):
+        _ids(CriteoReader(str(path), 64))
+
+
+def test_gzip_over_s3(s3, days):
+    urls = [s3.put(f"gz/day_{k}.tsv.gz", gzip.compress(body)) for k, body in enumerate(days)]
+    assert _ids(CriteoReader(f"s3://{BUCKET}/gz/*.gz", 256)) == _all_ids(days)
+    assert [_ids(CriteoReader(urls, 256, num_shards=2, shard_index=k)) for k in range(2)] == \
+        [_all_ids(days[:1]), _all_ids(days[1:])]
+
+
+@pytest.mark.slow
+def test_more_dataloader_workers_than_compressed_files_are_named(days, tmp_path):
+    path = tmp_path / "day.tsv.gz"
+    path.write_bytes(gzip.compress(days[0]))
+    script = ("import sys, torch.utils.data\nfrom deeprec.data import CriteoReader\n"
+              "loader = torch.utils.data.DataLoader(CriteoReader(sys.argv[1], 512), batch_size=None, num_workers=2)\n"
+              "print(sum(len(b['label']) for b in loader))\n")
+    run = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["5000"]  # worker 0 reads the one file; worker 1 says why it reads nothing
+    assert "DataLoader worker 1 of 2 has nothing to read" in run.stderr and "use num_workers <= 1" in run.stderr
+    assert "compressed files are read whole" in run.stderr
