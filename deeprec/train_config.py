@@ -49,6 +49,10 @@ class DataConfig:
     """rows shuffled in a buffer of this size (0: file order)"""
     on_bad_row: str = option("raise", choices=BAD_ROW_POLICIES)
     """a row that does not parse: stop with its file and line, or skip and count it"""
+    follow: bool = option(False)
+    """keep training as new files land under --data (each read once, in name order) until stopped or --steps"""
+    follow_interval: float = option(10.0, gt=0, metavar="SECONDS")
+    """--follow: seconds between looks for new files (a file is taken once it held still over one look)"""
 
     def __post_init__(self):
         check_fields(self, ("data",))
@@ -203,6 +207,13 @@ class TrainConfig:
                                   f"names or tables with TrainConfig.create({f.name}=...)")
         if not self.data.paths:
             raise ConfigError("no training data: give --data PATH (TrainConfig.create(data=[paths]))")
+        if self.data.follow and self.training.epochs:
+            raise ConfigError("--follow reads each file once as it lands: drop --epochs (--steps bounds the run)")
+        if self.data.follow and self.data.eval_fraction:
+            raise ConfigError("--follow cannot hold out --eval-fraction of data still landing: give --eval-data")
+        if self.data.follow and self.optimize.smart_stage_options.executor == "process":
+            raise ConfigError("--follow runs SmartStage's stage in a thread (the wait for new files must see a stop "
+                              "request): give --stage-executor thread or auto")
 
     @classmethod
     def create(cls, **values) -> "TrainConfig":

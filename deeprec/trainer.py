@@ -27,6 +27,7 @@ from torch.profiler import record_function
 
 from deeprec.checkpoint import remove_stale_temporaries, save_checkpoint
 from deeprec.data import open_reader, resolve_schema, schema_to_dict
+from deeprec.data.follow import FollowReader
 from deeprec.data.reader import resolve_paths
 from deeprec.errors import ConfigError, EmptyShardError, NonFiniteError
 from deeprec.metrics import ranking_columns
@@ -57,10 +58,17 @@ def make_readers(cfg: TrainConfig, schema=None, drop_remainder: bool = False, tr
     """Training and evaluation readers; `*_shards`: this process's share ({shard_index, num_shards}).
     drop_remainder: training drops an epoch's short last batch (batch norm cannot train on one row)."""
     common = dict(seed=cfg.training.seed, on_bad_row=cfg.data.on_bad_row, schema=schema)
-    epochs = None if cfg.training.steps is not None else (cfg.training.epochs or 1)
+    epochs = None if cfg.training.steps is not None and not cfg.data.follow else (cfg.training.epochs or 1)
     train_kw = dict(shuffle_buffer=cfg.data.shuffle_buffer, num_epochs=epochs, drop_remainder=drop_remainder, **common,
                     **(train_shards or {}))
     eval_kw = dict(num_epochs=1, **common, **(eval_shards or {}))
+    if cfg.data.follow:
+        def open_files(files):
+            return open_reader(files, cfg.data.batch_size, **train_kw)
+
+        train = FollowReader(cfg.data.paths, open_files, cfg.data.follow_interval)
+        held_out = open_reader(cfg.data.eval_paths, cfg.data.eval_batch_size, **eval_kw) if cfg.data.eval_paths else None
+        return train, held_out
     if cfg.data.eval_paths:
         return open_reader(cfg.data.paths, cfg.data.batch_size, **train_kw), open_reader(cfg.data.eval_paths, cfg.data.eval_batch_size, **eval_kw)
     if cfg.data.eval_fraction:
@@ -112,6 +120,9 @@ class Trainer:
         self.device = resolve_device(cfg.training.device)
         self.updater = self.strategy.prepare(self.model, cfg, self.device)
         optimize_config = cfg.optimize
+        if cfg.data.follow and optimize_config.smart_stage_options.executor == "auto":  # see TrainConfig
+            optimize_config = dataclasses.replace(optimize_config, smart_stage_options=dataclasses.replace(
+                optimize_config.smart_stage_options, executor="thread"))
         if self.device.type == "cuda":  # the stage runs on CPU into pinned memory, one copy on a side stream
             optimize_config = dataclasses.replace(optimize_config, stage_subgraph_on_cpu=True)
         self.fast = optimize(self.model, optimize_config)
@@ -266,6 +277,8 @@ class Trainer:
         self.model.train()
         start_step, rows, losses, steady = self.step, 0, [], None
         progress, stop = self._progress(), StopOnSignals()
+        if isinstance(self.train_reader, FollowReader):  # its wait for new files ends on a stop request
+            self.train_reader.should_stop = lambda: stop.requested
         started = time.perf_counter()
         steps = self.fast.train_steps(self._on_device(self.train_reader), self.updater)
         with stop, progress, contextlib.closing(steps):

@@ -49,6 +49,9 @@ class Collective(Strategy):
         if cfg.data.eval_fraction:
             raise ConfigError("a rank reads its share of --data and cannot also hold out --eval-fraction: give "
                               "--eval-data (every rank evaluates its share)")
+        if cfg.data.follow:
+            raise ConfigError("--follow is not supported with collective training (torchrun): a rank waiting for new "
+                              "files would stall every other rank's exchange; follow with a PS job or one process")
 
     def prepare(self, model: nn.Module, cfg, device: torch.device):
         from deeprec.distributed.collective.sharded import CollectiveUpdater

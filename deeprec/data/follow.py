@@ -1,0 +1,112 @@
+"""`--follow`: continuous training over data that keeps landing (hourly partitions, a log shipper).
+
+    files matching --data, in name order ──> reader over them (one pass) ──> batches
+          ▲                                        │ ended
+          └── poll every --follow-interval s <─────┘ until files not read yet are complete
+
+A file is taken once its size and modification time held still over one poll, or it is older than
+a poll interval (a writer still appending is waited for); names starting with "." or "_" are never taken (Hadoop's and Hive's
+temporary and marker files: `_SUCCESS`, `.part-0.crc`). Each file is read once, in name order,
+batch after batch across files (the last batch of a set may be short). The position (files done,
+the reader's place in the ones being read) goes into checkpoints, so `--resume` goes on exactly.
+The wait ends when the run is asked to stop (`should_stop`, SIGINT/SIGTERM in the trainer).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable, Iterator
+
+from deeprec.data.reader import ReaderStats, resolve_paths
+from deeprec.errors import ConfigError
+
+log = logging.getLogger("deeprec.data")
+
+
+class FollowReader:
+    """Reads the files matching `patterns` once each, in name order, and keeps polling for new ones.
+    `open_files(files)` opens a one-pass reader over some files (sharding and the bad-row policy are
+    its own)."""
+
+    def __init__(self, patterns: list[str], open_files: Callable[[list[str]], object], poll_seconds: float = 10.0,
+                 should_stop: Callable[[], bool] = lambda: False):
+        self.patterns, self.open_files, self.poll_seconds = list(patterns), open_files, poll_seconds
+        self.should_stop = should_stop
+        self.done: list[str] = []  # files read to their end, in order
+        self.current: list[str] = []  # files the reader `inner` is reading
+        self.inner = None
+        self.stats = ReaderStats()
+        self._sizes: dict[str, tuple] = {}  # a candidate's (size, mtime) at the last poll
+
+    def _complete_new_files(self) -> list[str]:
+        """Files not yet read whose size and mtime have not changed since the last poll."""
+        try:
+            matched = resolve_paths(self.patterns, "--data")
+        except ConfigError:  # nothing there yet (a folder emptied, a glob matching none): wait
+            return []
+        seen = set(self.done) | set(self.current)
+        ready, sizes, now = [], {}, time.time()
+        for path in matched:
+            if path in seen or os.path.basename(path).startswith(("_", ".")):
+                continue
+            try:
+                info = os.stat(path)
+            except OSError:  # removed between the listing and now
+                continue
+            sizes[path] = (info.st_size, info.st_mtime_ns)
+            still = self._sizes.get(path) == sizes[path] or now - info.st_mtime >= self.poll_seconds
+            if still and info.st_size > 0:
+                ready.append(path)
+        self._sizes = sizes
+        return sorted(ready)
+
+    def _open(self, files: list[str], state: dict | None = None) -> None:
+        self.current, self.inner = files, self.open_files(files)
+        if state is not None:
+            self.inner.load_state_dict(state)
+        log.info("--follow: reading %d new file(s): %s", len(files), ", ".join(files))
+
+    def __iter__(self) -> Iterator[dict]:
+        while True:
+            if self.inner is None:
+                files = self._complete_new_files()
+                if not files:
+                    if self._wait():
+                        return
+                    continue
+                self._open(files)
+            inner = self.inner.stats
+            rows, bad = inner.rows, inner.bad_rows
+            for batch in self.inner:
+                self.stats.rows += inner.rows - rows
+                self.stats.bad_rows += inner.bad_rows - bad
+                self.stats.batches += 1
+                rows, bad = inner.rows, inner.bad_rows
+                yield batch
+            self.done.extend(self.current)
+            self.current, self.inner = [], None
+
+    def _wait(self) -> bool:
+        """One poll interval, cut short by a stop request: True when the run should end."""
+        deadline = time.monotonic() + self.poll_seconds
+        while time.monotonic() < deadline:
+            if self.should_stop():
+                return True
+            time.sleep(min(0.1, self.poll_seconds))
+        return self.should_stop()
+
+    def state_dict(self) -> dict:
+        return {"follow": self.patterns, "done": list(self.done), "current": list(self.current),
+                "reader": self.inner.state_dict() if self.inner is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("follow") != self.patterns:
+            raise ConfigError(f"the checkpoint's reader followed {state.get('follow')}, not --data {self.patterns}: "
+                              "resume --follow with the same --data")
+        self.done, self.current, self.inner = list(state["done"]), [], None
+        if state["current"]:
+            self._open(list(state["current"]), state["reader"])
+
+
+__all__ = ["FollowReader"]
