@@ -291,3 +291,46 @@ def test_more_dataloader_workers_than_compressed_files_are_named(days, tmp_path)
     assert run.stdout.split() == ["5000"]  # worker 0 reads the one file; worker 1 says why it reads nothing
     assert "DataLoader worker 1 of 2 has nothing to read" in run.stderr and "use num_workers <= 1" in run.stderr
     assert "compressed files are read whole" in run.stderr
+
+
+def test_remote_byte_ranges_hold_the_lines_the_local_ones_hold(s3, tmp_path):
+    from deeprec.data.csv import iter_line_chunks
+
+    lines = [b"label,I1,C1\n"] + [b"1,%d,%s\n" % (k, b"x" * (k * 37 % 300)) for k in range(400)]
+    lines[200] = b"0,1," + b"y" * 5000 + b"\n"  # a line longer than a block
+    body = b"".join(lines) + b"1,2,tail-without-newline"
+    local = tmp_path / "lines.csv"
+    local.write_bytes(body)
+    url = s3.put("lines/lines.csv", body)
+    head = len(lines[0])
+    for shards in (1, 3, 50):
+        for chunk in (1000, 1 << 20):
+            bounds = [head + (len(body) - head) * k // shards for k in range(shards + 1)]
+            for a, b in zip(bounds, bounds[1:]):
+                near, far = (list(iter_line_chunks(p, a, b, head, chunk)) for p in (str(local), url))
+                assert b"".join(c for _, c in far) == b"".join(c for _, c in near), (shards, chunk, a, b)
+                assert [o for o, _ in far[:1]] == [o for o, _ in near[:1]]
+
+
+@pytest.mark.slow
+def test_train_and_evaluate_from_s3_and_a_missing_eval_object_named_by_its_flag(s3, remote_days, tmp_path, capsys):
+    from deeprec.cli import main
+
+    code = main(["train", "--data", f"s3://{BUCKET}/days/day_0.tsv", "--eval-data", remote_days[1], "--steps", "3",
+                 "--batch-size", "64", "--checkpoint-dir", str(tmp_path / "ckpt"), "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    code = main(["train", "--data", remote_days[0], "--eval-data", f"s3://{BUCKET}/days/gone.tsv", "--steps", "3",
+                 "--batch-size", "64", "--checkpoint-dir", str(tmp_path / "ckpt2"), "--no-progress"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2 and f"--eval-data: no such file or object: 's3://{BUCKET}/days/gone.tsv'" in err
+
+
+def test_file_urls_and_their_globs_read_as_paths(days, tmp_path):
+    for k, body in enumerate(days):
+        (tmp_path / f"day_{k}.tsv").write_bytes(body)
+    url = f"file://{tmp_path}/day_*.tsv"
+    assert resolve_paths([url]) == [f"file://{tmp_path}/day_{k}.tsv" for k in range(2)]
+    shards = [_ids(CriteoReader(url, 128, num_shards=2, shard_index=k, chunk_bytes=64 << 10)) for k in range(2)]
+    assert sorted(shards[0] + shards[1]) == sorted(_all_ids(days)) and all(shards)
+    with pytest.raises(ConfigError, match="^--data: no such file or object"):
+        resolve_paths([f"file://{tmp_path}/nope.tsv"], "--data")

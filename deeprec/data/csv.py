@@ -121,10 +121,49 @@ def iter_stream_chunks(path: str, data_start: int, chunk_bytes: int = CHUNK_BYTE
         yield pos, carry
 
 
+def _iter_remote_line_chunks(path: str, start: int, end: int, data_start: int,
+                             chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """iter_line_chunks over ranged reads fetched ahead in a thread (deeprec.data.fs.iter_range_blocks)."""
+    pos = max(start, data_start)
+    if pos >= end:
+        return
+    aligned = pos == data_start  # else the first line beginning at or after `start` is found first
+    first = pos if aligned else pos - 1
+    carry, pos = b"", first
+    for offset, block in fs.iter_range_blocks(path, first, end, max(chunk_bytes, 64 << 10)):
+        buf = carry + block if carry else block
+        if not aligned:
+            newline = buf.find(b"\n")
+            if newline == -1:  # still inside the line that began before `start`
+                pos, carry = offset + len(block), b""
+                continue
+            buf, pos, aligned = buf[newline + 1:], pos + newline + 1, True
+            if pos >= end:
+                return
+        if pos + len(buf) >= end:  # the last line begins before `end`: finish it
+            newline = buf.find(b"\n", end - 1 - pos)
+            if newline != -1:
+                yield pos, buf[:newline + 1]
+                return
+            carry = buf
+            continue
+        newline = buf.rfind(b"\n")
+        if newline == -1:  # a line longer than a block
+            carry = buf
+            continue
+        yield pos, buf[:newline + 1]
+        pos, carry = pos + newline + 1, buf[newline + 1:]
+    if carry:  # the object's unterminated tail
+        yield pos, carry
+
+
 def iter_line_chunks(path: str, start: int, end: int, data_start: int,
                      chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, bytes]]:
     """(offset, bytes) chunks holding exactly the lines that begin in [start, end)."""
-    with fs.open_ranged(path, stop=end, block=max(chunk_bytes, 64 << 10)) as f:
+    if fs.is_url(path):
+        yield from _iter_remote_line_chunks(path, start, end, data_start, chunk_bytes)
+        return
+    with open(path, "rb") as f:
         pos = max(start, data_start)
         if pos > data_start:  # move to the first line that begins at or after `start`
             f.seek(pos - 1)

@@ -258,7 +258,7 @@ class _Decompressed(io.RawIOBase):
         import pyarrow as pa
 
         self.path = path
-        self._raw = open_raw_stream(path)
+        self._raw = open_raw_stream(path) if is_url(path) else pa.OSFile(path)  # OSFile: no Python per read
         self._stream = pa.CompressedInputStream(self._raw, codec)
 
     def readable(self) -> bool:
@@ -314,6 +314,27 @@ def iter_blocks(path: str, block: int = BLOCK_BYTES, ahead: int = READ_AHEAD) ->
                 if not data:
                     return
                 yield data
+
+    return _prefetched(produce(), ahead)
+
+
+def iter_range_blocks(url: str, start: int, end: int, block: int = BLOCK_BYTES,
+                      ahead: int = READ_AHEAD) -> Iterator[tuple[int, bytes]]:
+    """(offset, bytes) consecutive blocks of a remote object from `start` until one holds a newline at
+    or after byte end-1 (the end of the last line beginning before `end`), read ahead in a thread: ranged
+    GETs, their copies and joins all happen off the parsing thread."""
+    def produce():
+        with RangeFile(url, block=block, ahead=ahead, stop=end) as f:
+            f.seek(start)
+            pos = start
+            while True:
+                data = f.read(block)
+                if not data:
+                    return
+                yield pos, data
+                if pos + len(data) >= end and data.find(b"\n", max(end - 1 - pos, 0)) != -1:
+                    return
+                pos += len(data)
 
     return _prefetched(produce(), ahead)
 
