@@ -306,6 +306,7 @@ def cmd_convert(args, console: Console) -> int:
         raise ConfigError(f"input: these are {'ORC' if out_format == 'orc' else 'Parquet'} files already; "
                           "data convert reads CSV/TSV (or the other columnar format)")
     reader = open_reader(files, 65536, schema=args.schema, on_bad_row=args.on_bad_row)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)  # a table's partition folder (dt=.../hour=...)
     rows = (write_orc if out_format == "orc" else write_parquet)(reader, args.out)
     print(json.dumps({"rows": rows, "out": args.out, "schema": reader.schema.name}))
     return 0

@@ -85,8 +85,9 @@ def test_orc_gives_the_batches_of_csv_and_parquet(tmp_path, orc_file):
     pq_path = tmp_path / "clicks.parquet"
     pq.write_table(_table(rows), pq_path, row_group_size=128)
     readers = [CsvReader(csv_path, SCHEMA, 64), ParquetReader(str(pq_path), 64, columns=SCHEMA),
-               OrcReader(orc_file, 64, columns=SCHEMA), open_reader([orc_file], 64, schema=SCHEMA)]
-    assert isinstance(readers[-1], OrcReader)
+               OrcReader(orc_file, 64, columns=SCHEMA), open_reader([orc_file], 64, schema=SCHEMA),
+               open_reader("file://" + orc_file, 64, schema=SCHEMA)]  # a URL: through fsspec
+    assert isinstance(readers[-1], OrcReader) and isinstance(readers[-2], OrcReader)
     streams = [[_plain(b) for b in r] for r in readers]
     assert len(streams[0]) == 16 and [len(b["user"]) for b in streams[0]][-1] == 1000 - 15 * 64
     for other in streams[1:]:

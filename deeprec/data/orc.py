@@ -20,19 +20,32 @@ from deeprec.data.schema import Schema
 from deeprec.errors import DataError
 
 
+def open_orc(path: str):
+    """A pyarrow ORCFile; a URL (s3://, hdfs://, file://, ...) through its fsspec filesystem."""
+    import pyarrow.orc as orc
+
+    from deeprec.data import fs
+
+    if not fs.is_url(path):
+        return orc.ORCFile(path)
+    filesystem, inner = fs.filesystem(path)
+    try:
+        return orc.ORCFile(filesystem.open(inner, "rb", block_size=fs.BLOCK_BYTES, cache_type="readahead"))
+    except (FileNotFoundError, PermissionError) as err:
+        raise fs.remote_error(err, path) from None
+
+
 class OrcReader(ParquetReader):
     """Streaming ORC reader; same arguments and batches as `ParquetReader` and `CriteoReader`."""
 
     def __init__(self, paths, batch_size: int, *, columns: Schema = CRITEO_SCHEMA, **kwargs):
-        import pyarrow.orc as orc
-
         BatchReader.__init__(self, resolve_paths(paths), batch_size, columns, **kwargs)
         self._stripes = {}  # path -> number of stripes
         self._rows = {}  # path -> number of rows
         self._partitions = {}
         for path in self.paths:
             try:
-                handle = orc.ORCFile(path)
+                handle = open_orc(path)
                 self._stripes[path], self._rows[path] = handle.nstripes, handle.nrows
                 names = set(handle.schema.names)
             except (pa.ArrowInvalid, OSError) as err:
@@ -58,11 +71,9 @@ class OrcReader(ParquetReader):
         return f"stripe {stripe}:row {row}"
 
     def _read_unit(self, unit) -> Iterator[pa.Table]:
-        import pyarrow.orc as orc
-
         path, stripe = unit
         try:
-            batch = orc.ORCFile(path).read_stripe(stripe, columns=self._file_columns(path))
+            batch = open_orc(path).read_stripe(stripe, columns=self._file_columns(path))
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as err:  # a corrupt stripe or file
             self._report(path, [(lambda: self._where(stripe, 0), f"cannot decode stripe {stripe}: {err}", 1)])
             return
