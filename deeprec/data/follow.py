@@ -18,10 +18,22 @@ import os
 import time
 from typing import Callable, Iterator
 
+from deeprec.data import fs
 from deeprec.data.reader import ReaderStats, resolve_paths
-from deeprec.errors import ConfigError
+from deeprec.errors import ConfigError, DeepRecError
 
 log = logging.getLogger("deeprec.data")
+
+
+def _stat(path: str) -> tuple[int, float | None]:
+    """(size, modification time in seconds; None where the store gives none)."""
+    if not fs.is_url(path):
+        info = os.stat(path)
+        return info.st_size, info.st_mtime
+    filesystem, inner = fs.filesystem(path)
+    info = filesystem.info(inner)
+    modified = info.get("LastModified") or info.get("mtime")
+    return int(info["size"]), modified.timestamp() if hasattr(modified, "timestamp") else None
 
 
 class FollowReader:
@@ -41,6 +53,9 @@ class FollowReader:
 
     def _complete_new_files(self) -> list[str]:
         """Files not yet read whose size and mtime have not changed since the last poll."""
+        for pattern in self.patterns:  # fsspec caches listings: a new object would stay unseen
+            if fs.is_url(pattern):
+                fs.filesystem(pattern)[0].invalidate_cache()
         try:
             matched = resolve_paths(self.patterns, "--data")
         except ConfigError:  # nothing there yet (a folder emptied, a glob matching none): wait
@@ -51,12 +66,12 @@ class FollowReader:
             if path in seen or os.path.basename(path).startswith(("_", ".")):
                 continue
             try:
-                info = os.stat(path)
-            except OSError:  # removed between the listing and now
+                size, modified = _stat(path)
+            except (OSError, DeepRecError):  # removed between the listing and now
                 continue
-            sizes[path] = (info.st_size, info.st_mtime_ns)
-            still = self._sizes.get(path) == sizes[path] or now - info.st_mtime >= self.poll_seconds
-            if still and info.st_size > 0:
+            sizes[path] = (size, modified)
+            old = modified is not None and now - modified >= self.poll_seconds
+            if (self._sizes.get(path) == sizes[path] or old) and size > 0:
                 ready.append(path)
         self._sizes = sizes
         return sorted(ready)
