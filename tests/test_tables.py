@@ -13,7 +13,7 @@ import torch
 
 import deeprec as dr
 from deeprec.cli import main
-from deeprec.data import Column, CsvReader, OrcReader, ParquetReader, Schema, open_reader, resolve_schema
+from deeprec.data import Column, CsvReader, OrcReader, ParquetReader, Schema, open_reader, resolve_schema, write_orc
 from deeprec.data.reader import resolve_paths
 from deeprec.errors import ConfigError, DataError
 
@@ -96,6 +96,10 @@ def test_orc_gives_the_batches_of_csv_and_parquet(tmp_path, orc_file):
     assert first["item"].dtype == torch.int64 and first["item"].tolist() == [-1, 1, 2, 3, 4, 5, 6, 7]  # None: -1
     assert first["tags"].tolist()[4] == [b"t5", b"t6", b"t7"]  # split, the last max_length kept
     assert math.isnan(first["price"][0]) and first["user"].tolist()[1] == b"u00001"
+    written = str(tmp_path / "written.orc")  # what deeprec data convert writes: stripes of stripe_rows rows
+    assert write_orc(CsvReader(csv_path, SCHEMA, 64), written, stripe_rows=300, compression="uncompressed") == 1000
+    assert orc.ORCFile(written).nstripes == 4
+    assert [_plain(b) for b in OrcReader(written, 64, columns=SCHEMA)] == streams[0]
 
 
 @pytest.mark.parametrize("num_shards", [2, 3])

@@ -82,28 +82,25 @@ class OrcReader(ParquetReader):
             yield self._conform(path, stripe, start, table.slice(start, READ_ROWS))
 
 
-def write_orc(reader: BatchReader, path: str, stripe_rows: int = 100_000) -> int:
-    """Write every batch of `reader` to one ORC file (strings as binary), stripes of about
-    `stripe_rows` rows: the units ORC training data is sharded by."""
+def write_orc(reader: BatchReader, path: str, stripe_rows: int = 100_000, compression: str = "snappy") -> int:
+    """Write every batch of `reader` to one ORC file (strings as binary; snappy as Parquet's default),
+    in stripes of `stripe_rows` rows: the units ORC data is sharded by. (Compressed, a stripe is cut
+    only once a compression block has filled: a file of a few thousand rows may be one stripe.)"""
     import pyarrow.orc as orc
 
     from deeprec.data.parquet import _arrow
+    from deeprec.data.reader import _rebatch
 
     writer = None
     rows = 0
     try:
-        for batch in reader:
-            table = pa.table({name: _arrow(value) for name, value in batch.items()})
-            if writer is None:  # a stripe closes once its estimated size passes stripe_size, checked per batch_size rows
-                writer = orc.ORCWriter(path, batch_size=min(stripe_rows, 65536), stripe_size=_stripe_bytes(table, stripe_rows))
+        tables = (pa.table({name: _arrow(value) for name, value in batch.items()}) for batch in reader)
+        for table in _rebatch(tables, stripe_rows, drop_remainder=False):
+            if writer is None:  # it cuts a stripe after each batch_size rows once past stripe_size (1 byte)
+                writer = orc.ORCWriter(path, batch_size=stripe_rows, stripe_size=1, compression=compression)
             writer.write(table)
             rows += table.num_rows
     finally:
         if writer is not None:
             writer.close()
     return rows
-
-
-def _stripe_bytes(table: pa.Table, stripe_rows: int) -> int:
-    per_row = max(table.nbytes // max(table.num_rows, 1), 1)
-    return max(per_row * stripe_rows, 1)
