@@ -154,6 +154,11 @@ def test_orc_errors_name_the_file_stripe_and_row(tmp_path, orc_file):
         resolve_paths([str(orc_file), str(tmp_path / "y.parquet")])
 
 
+def test_orc_in_dataloader_workers_reads_every_row_once(orc_file):
+    loader = torch.utils.data.DataLoader(OrcReader(orc_file, 64, columns=SCHEMA), batch_size=None, num_workers=2)
+    assert sorted(u for b in loader for u in b["user"].tolist()) == [f"u{k:05d}".encode() for k in range(1000)]
+
+
 def test_orc_more_shards_than_stripes_is_refused_early(tmp_path):
     one = _write_orc(tmp_path / "one.orc", _rows(50), stripe_rows=100)
     with pytest.raises(dr.errors.EmptyShardError, match="ORC is sharded by stripe .* 1 stripe"):
@@ -199,6 +204,11 @@ def test_a_hive_table_reads_in_partition_order_with_partition_columns(tmp_path, 
     assert [u for b in batches for u in b["user"].tolist()] == [f"u{k:05d}".encode() for k in range(n)]
     hours = [h for b in batches for h in b["hour"].tolist()]
     assert hours == [str(h).encode() for _, h in PARTITIONS for _ in range(40)]
+    # the same table through fsspec (as on S3): a glob of its files, extensionless ORC recognised by its bytes
+    url = open_reader(f"file://{root}/dt=*/hour=*/[!.]*", 16, schema=HIVE_SCHEMA)  # (fsspec globs match .crc)
+    def pairs(stream):  # (a glob lists in plain name order: hour=10 before hour=5)
+        return sorted((u, h) for b in stream for u, h in zip(b["user"].tolist(), b["hour"].tolist()))
+    assert type(url) is type(reader) and pairs(url) == pairs(batches) and len(pairs(batches)) == n
     # the hour as an int feature, and the day as one too (a column the files lack comes from the folders)
     as_int = Schema(SCHEMA.columns + (Column("hour", "categorical", dtype="int"), Column("dt", "categorical")))
     batch = next(iter(open_reader(root, 100, schema=as_int)))

@@ -65,6 +65,9 @@ class OrcReader(ParquetReader):
         return stripes, (f"ORC is sharded by stripe and {where} {stripes} stripe(s), so it gives at most "
                          f"{stripes} shard(s) (write smaller stripes for more)")
 
+    def _unit_words(self) -> str:
+        return "ORC stripes"
+
     @staticmethod
     def _where(stripe: int, row: int) -> str:
         """An ORC row's place: stripe, then 0-based row within it."""

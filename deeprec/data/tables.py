@@ -73,12 +73,22 @@ def file_format(path: str) -> str:
     if os.path.splitext(os.path.basename(path))[1] in (".csv", ".tsv", ".txt"):
         return "text"
     try:
-        with open(path, "rb") as f:
-            head = f.read(4)
-    except OSError:
+        head = _head(path)
+    except Exception:  # unreadable here: the reader names the problem when it opens the file
         return "text"
     if head == b"PAR1":
         return "parquet"
     if head[:3] == b"ORC":
         return "orc"
     return "text"
+
+
+def _head(path: str) -> bytes:
+    """The first 4 bytes of a local file or a URL (one ranged read)."""
+    from deeprec.data import fs
+
+    if not fs.is_url(path):
+        with open(path, "rb") as f:
+            return f.read(4)
+    filesystem, inner = fs.filesystem(path)
+    return filesystem.cat_file(inner, start=0, end=4)
