@@ -131,6 +131,24 @@ def test_orc_shuffle_is_deterministic_and_resume_is_exact(orc_file):
         assert head + [_plain(b) for b in resumed] == full
 
 
+@pytest.mark.parametrize("fmt", ["orc", "hive"])
+def test_resume_without_shuffle_is_exact(tmp_path, orc_file, fmt):
+    root = orc_file if fmt == "orc" else _hive_table(tmp_path / "clicks", "orc")[0]
+    schema = SCHEMA if fmt == "orc" else HIVE_SCHEMA
+
+    def reader():
+        return open_reader(root, 30, schema=schema, num_shards=2, shard_index=1, num_epochs=2)
+
+    full = [_plain(b) for b in reader()]
+    for stop in (1, 4, 7, len(full) // 2 + 1):  # mid-stripe, on a stripe's end, in the second epoch
+        first = reader()
+        it = iter(first)
+        head = [_plain(next(it)) for _ in range(stop)]
+        resumed = reader()
+        resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+        assert head + [_plain(b) for b in resumed] == full
+
+
 def test_orc_errors_name_the_file_stripe_and_row(tmp_path, orc_file):
     lacking = _write_orc(tmp_path / "lacking.orc", _table(_rows(10)).drop_columns(["price", "tags"]))
     with pytest.raises(DataError, match=r"lacking\.orc: missing column\(s\) price, tags"):
