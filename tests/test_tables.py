@@ -227,6 +227,8 @@ def test_a_hive_table_reads_in_partition_order_with_partition_columns(tmp_path, 
     def pairs(stream):  # (a glob lists in plain name order: hour=10 before hour=5)
         return sorted((u, h) for b in stream for u, h in zip(b["user"].tolist(), b["hour"].tolist()))
     assert type(url) is type(reader) and pairs(url) == pairs(batches) and len(pairs(batches)) == n
+    remote_root = open_reader(f"file://{root}", 16, schema=HIVE_SCHEMA)  # a table root URL: walked, in order
+    assert [_plain(b) for b in remote_root] == [_plain(b) for b in batches]
     # the hour as an int feature, and the day as one too (a column the files lack comes from the folders)
     as_int = Schema(SCHEMA.columns + (Column("hour", "categorical", dtype="int"), Column("dt", "categorical")))
     batch = next(iter(open_reader(root, 100, schema=as_int)))

@@ -282,7 +282,7 @@ def resolve_paths(paths: Sequence[str] | str, option: str | None = None) -> list
 
     from deeprec.data import fs
 
-    from deeprec.data.tables import file_format, list_table
+    from deeprec.data.tables import file_format, list_remote_table, list_table
 
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -297,8 +297,8 @@ def resolve_paths(paths: Sequence[str] | str, option: str | None = None) -> list
             raise ConfigError(named + f"directory {p!r} holds no data files (names starting with '.' are ignored)")
         return files
     for p in map(str, paths):
-        if fs.is_url(p):
-            out.extend(fs.expand(p, option))
+        if fs.is_url(p):  # a remote Hive table's root walked as a local one is, else fs.expand
+            out.extend(list_remote_table(p) or fs.expand(p, option))
         elif os.path.isdir(p):
             out.extend(folder(p))
         elif any(ch in p for ch in "*?["):

@@ -51,6 +51,42 @@ def list_table(root: str) -> list[str] | None:
     return out
 
 
+def list_remote_table(url: str) -> list[str] | None:
+    """`list_table` for a URL (s3://bucket/warehouse/clicks/): its files in partition order as
+    URLs, or None when it is no folder with `key=value` subfolders (or cannot be listed here:
+    `deeprec.data.fs.expand` then lists it, or names what went wrong)."""
+    from deeprec.data import fs
+
+    try:
+        filesystem, root = fs.filesystem(url)
+        entries = filesystem.ls(root, detail=True)
+    except Exception:
+        return None
+    proto = fs.protocol(url)
+
+    def name(entry):
+        return os.path.basename(entry["name"].rstrip("/"))
+
+    def as_url(p):
+        return p if fs.is_url(p) else f"{proto}://{p.lstrip('/') if proto != 'file' else p}"
+
+    if not any(entry.get("type") == "directory" and is_partition_folder(name(entry)) for entry in entries):
+        return None
+    out = []
+
+    def walk(entries):
+        for entry in sorted(entries, key=lambda e: natural_key(name(e))):
+            if name(entry).startswith((".", "_")) or name(entry).endswith(".crc"):
+                continue
+            if entry.get("type") == "directory":
+                walk(filesystem.ls(entry["name"], detail=True))
+            else:
+                out.append(as_url(entry["name"]))
+
+    walk(entries)
+    return out
+
+
 def partition_values(path: str) -> dict[str, str | None]:
     """The `key=value` folders of a file's path (URI-decoded as Hive escapes them; Hive's
     default partition is None, a missing value); the innermost wins when a key repeats."""
