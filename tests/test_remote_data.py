@@ -334,3 +334,34 @@ def test_file_urls_and_their_globs_read_as_paths(days, tmp_path):
     assert sorted(shards[0] + shards[1]) == sorted(_all_ids(days)) and all(shards)
     with pytest.raises(ConfigError, match="^--data: no such file or object"):
         resolve_paths([f"file://{tmp_path}/nope.tsv"], "--data")
+
+
+def test_resume_starts_at_its_file_and_row_without_reading_what_came_before(days, tmp_path, s3):
+    paths = []
+    for k, body in enumerate(days):
+        path = tmp_path / f"day_{k}.tsv.gz"
+        path.write_bytes(gzip.compress(body))
+        paths.append(str(path))
+    whole = _ids(CriteoReader(paths, 128))
+    first = CriteoReader(paths, 128)
+    it = iter(first)
+    head = [c for _ in range(50) for c in next(it)["C1"].tolist()]  # 6,400 rows: 1,400 into the second file
+    state = first.state_dict()
+    assert (state["unit"], state["unit_rows"]) == (1, 1400)
+    truncated = gzip.compress(days[0])
+    with open(paths[0], "wb") as f:  # the first file is not read again (past its first line it cannot be)
+        f.write(truncated[:len(truncated) // 2])
+    with pytest.raises(DataError, match="cannot decompress"):
+        _ids(CriteoReader(paths, 128))
+    again = CriteoReader(paths, 128)
+    again.load_state_dict(state)
+    assert head + _ids(again) == whole
+    # over S3 too, byte ranges: the shard's second range of its two files
+    urls = [s3.put(f"resume/day_{k}.tsv", body) for k, body in enumerate(days)]
+    whole = _ids(CriteoReader(urls, 100, num_shards=2, shard_index=0))
+    first = CriteoReader(urls, 100, num_shards=2, shard_index=0)
+    it = iter(first)
+    head = [c for _ in range(30) for c in next(it)["C1"].tolist()]
+    again = CriteoReader(urls, 100, num_shards=2, shard_index=0)
+    again.load_state_dict(first.state_dict())
+    assert first.state_dict()["unit"] == 1 and head + _ids(again) == whole

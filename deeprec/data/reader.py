@@ -77,6 +77,7 @@ class BatchReader(torch.utils.data.IterableDataset):
         self.stats = ReaderStats()
         self._epoch = 0
         self._batches_in_epoch = 0
+        self._unit_pos: tuple[int, int] | None = (0, 0)  # without shuffle: (unit of this epoch, its rows done)
 
     # -- subclass interface -------------------------------------------------
     def _all_units(self) -> list:
@@ -158,8 +159,10 @@ class BatchReader(torch.utils.data.IterableDataset):
     # -- position ---------------------------------------------------------------
     def state_dict(self) -> dict:
         """Position after the last batch yielded; restore with `load_state_dict`."""
-        return {"epoch": self._epoch, "batches": self._batches_in_epoch,
-                "fingerprint": self._fingerprint()}
+        state = {"epoch": self._epoch, "batches": self._batches_in_epoch, "fingerprint": self._fingerprint()}
+        if self.shuffle_buffer == 0 and self._unit_pos is not None:  # resume reads from here, not from the start
+            state["unit"], state["unit_rows"] = self._unit_pos
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("fingerprint") != self._fingerprint():
@@ -169,6 +172,7 @@ class BatchReader(torch.utils.data.IterableDataset):
                 "resume with the same paths, batch_size, seed, shuffle_buffer and sharding")
         self._epoch = int(state["epoch"])
         self._batches_in_epoch = int(state["batches"])
+        self._unit_pos = (int(state["unit"]), int(state["unit_rows"])) if "unit" in state else None
 
     def _fingerprint(self) -> list:
         return [self.paths, self.batch_size, self.seed, self.shuffle_buffer,
@@ -178,8 +182,11 @@ class BatchReader(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[dict]:
         """Yield raw batches from the current position to the last epoch.
 
-        Resuming replays the epoch's deterministic order and skips the batches
-        already consumed, so the stream continues exactly where it stopped.
+        Without a shuffle buffer the position is (unit, rows of it done): resuming starts reading
+        at that unit (a compressed file, a byte range, a row group) and drops the rows done, so
+        nothing before it is read again. With a shuffle buffer (or a state saved without the unit)
+        resuming replays the epoch's deterministic order and skips the batches already consumed.
+        Either way the stream continues exactly where it stopped.
         """
         while self.num_epochs is None or self._epoch < self.num_epochs:
             skip = self._batches_in_epoch
@@ -188,12 +195,22 @@ class BatchReader(torch.utils.data.IterableDataset):
             if self.shuffle_buffer > 0:
                 units = [units[i] for i in rng.permutation(len(units))]
             seen = {"rows": 0, "bad": self.stats.bad_rows}  # this epoch's valid rows and bad rows
-            tables = (_counted(t, seen) for unit in units for t in self._read_unit(unit) if t.num_rows)
+            track = self.shuffle_buffer == 0 and not _in_split_worker()
+            first, done = (0, 0)
+            if track and skip and self._unit_pos is not None:  # fast-forward to the unit
+                first, done = self._unit_pos
+                if first >= len(units):
+                    raise ConfigError(f"reader state points past the end of epoch {self._epoch}")
+                skip = 0
+            starts: list[tuple[int, int]] = []  # (unit, rows of this epoch's stream before it)
+            tables = self._unit_tables(units, first, done, seen, starts)
             if self.shuffle_buffer > 0:
                 tables = _shuffle(tables, self.shuffle_buffer, rng)
-            yielded = False
+            yielded = self._batches_in_epoch > 0 and not skip  # batches before the position were yielded
+            position = done  # rows of the stream through the last batch
             for table in _rebatch(tables, self.batch_size, self.drop_remainder):
                 yielded = True
+                position += table.num_rows
                 if skip:
                     skip -= 1
                     continue
@@ -201,6 +218,12 @@ class BatchReader(torch.utils.data.IterableDataset):
                 self._batches_in_epoch += 1
                 self.stats.batches += 1
                 self.stats.rows += table.num_rows
+                if track:
+                    while len(starts) > 1 and starts[1][1] < position:
+                        starts.pop(0)
+                    self._unit_pos = (starts[0][0], position - starts[0][1])
+                else:
+                    self._unit_pos = None
                 yield batch
             if skip:
                 raise ConfigError(f"reader state points past the end of epoch {self._epoch}")
@@ -209,6 +232,23 @@ class BatchReader(torch.utils.data.IterableDataset):
                                 ", ".join(self.paths))
             self._epoch += 1
             self._batches_in_epoch = 0
+            self._unit_pos = (0, 0)
+
+    def _unit_tables(self, units: list, first: int, done: int, seen: dict, starts: list) -> Iterator[pa.Table]:
+        """Valid rows of units[first:], the first `done` rows of units[first] dropped; `starts` gets each
+        unit's index and its first row's place in the stream (the dropped rows counted)."""
+        total = 0
+        for index in range(first, len(units)):
+            starts.append((index, total))
+            drop = done if index == first else 0
+            total += drop
+            for table in self._read_unit(units[index]):
+                if drop:
+                    cut = min(drop, table.num_rows)
+                    table, drop = table.slice(cut), drop - cut
+                if table.num_rows:
+                    total += table.num_rows
+                    yield _counted(table, seen)
 
     def _no_batch_reason(self, rows: int, bad: int, has_units: bool) -> str:
         if rows and self.drop_remainder:
