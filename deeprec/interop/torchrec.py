@@ -24,24 +24,11 @@ from torch import nn
 from deeprec import ops
 from deeprec.errors import ConfigError
 from deeprec.ops.graph_op import op
+from deeprec.nn.keyed import _torchrec, is_keyed_jagged_tensor, kjt_columns, to_keyed_tensor
 from deeprec.ragged import Ragged
 
 __all__ = ["to_kjt", "from_kjt", "to_jagged", "from_jagged", "to_keyed_tensor", "from_keyed_tensor",
            "kjt_columns", "is_keyed_jagged_tensor", "EmbeddingBagCollection"]
-
-
-def _torchrec():
-    try:
-        import torchrec.sparse.jagged_tensor as jagged
-    except ImportError as err:
-        raise ImportError("deeprec.interop.torchrec needs torchrec: pip install 'deeprec[torchrec]' "
-                          "(torchrec==1.9.2 and fbgemm-gpu-cpu==1.8.0)") from err
-    return jagged
-
-
-def is_keyed_jagged_tensor(value) -> bool:
-    """A TorchRec KeyedJaggedTensor, recognised without importing torchrec."""
-    return type(value).__name__ == "KeyedJaggedTensor" and hasattr(value, "offsets") and hasattr(value, "keys")
 
 
 # -- raw batch -> KeyedJaggedTensor --------------------------------------------------------------
@@ -121,57 +108,6 @@ def to_kjt(batch: Mapping, keys: Sequence[str], *, num_buckets: int | Mapping[st
 
 
 # -- KeyedJaggedTensor -> deeprec -----------------------------------------------------------------
-def _bags_count(kjt, names, *args, **kwargs) -> int:
-    return 2 * len(names)
-
-
-@op(outputs=_bags_count)
-def kjt_bags(kjt, names: Sequence[str], known: Sequence[str] | None = None, owner: str = "EmbeddingCollection"):
-    """(values, offsets) of the KJT's keys `names`, flat: values are views, offsets rebased to 0
-    (the first key's a view too). One graph node: traced, a KJT is a Proxy (torchrec's classes
-    are proxyable), so the keys are checked here, on the real one. `known`: the keys accepted
-    (default `names`); any other is an error, as it would be a feature silently not embedded."""
-    if not is_keyed_jagged_tensor(kjt):
-        raise ConfigError(f"{owner} takes a KeyedJaggedTensor here, got {type(kjt).__name__}")
-    keys = list(kjt.keys())
-    missing = [n for n in names if n not in keys]
-    if missing:
-        raise ConfigError(f"{owner}: the KeyedJaggedTensor has no key {', '.join(map(repr, missing))}; "
-                          f"its keys: {', '.join(keys)}")
-    known = list(names if known is None else known)
-    unknown = [k for k in keys if k not in known]
-    if unknown:
-        raise ConfigError(f"{owner}: KeyedJaggedTensor key {', '.join(map(repr, unknown))} is not one of its "
-                          f"features ({', '.join(known)}); pass only those keys (kjt.permute / kjt.split)")
-    if kjt.weights_or_none() is not None:
-        raise ConfigError(f"{owner}: a weighted KeyedJaggedTensor (per-id weights) is not supported; "
-                          "deeprec pools with the features' combiners (sum | mean | sqrtn)")
-    if kjt.variable_stride_per_key():
-        raise ConfigError(f"{owner}: a KeyedJaggedTensor with a variable batch per key is not supported")
-    values, offsets = kjt.values(), kjt.offsets()
-    if (offsets.numel() - 1) % len(keys):
-        raise ConfigError(f"{owner}: a KeyedJaggedTensor with {len(keys)} keys has {offsets.numel() - 1} bags, "
-                          "not one per row and key")
-    rows = (offsets.numel() - 1) // len(keys)
-    out = []
-    for k in (keys.index(n) for n in names):
-        own = offsets[k * rows:(k + 1) * rows + 1]
-        if torch.compiler.is_exporting():  # sizes are symbols: no branch on the values
-            start, end = own[0].item(), own[-1].item()
-            out += [values[start:end], own - own[0]]
-            continue
-        start, end = int(own[0]), int(own[-1])
-        out += [values[start:end], own if start == 0 else own - start]
-    return tuple(out)
-
-
-def kjt_columns(kjt, names: Sequence[str], known: Sequence[str] | None = None,
-                owner: str = "EmbeddingCollection") -> list[Ragged]:
-    """The KJT's bags of `names` as deeprec ids, `Ragged(values, offsets)` (views)."""
-    flat = kjt_bags(kjt, list(names), None if known is None else list(known), owner)
-    return [Ragged(flat[2 * i], flat[2 * i + 1]) for i in range(len(names))]
-
-
 def from_kjt(kjt) -> dict[str, Ragged]:
     """{key: Ragged(ids, offsets)}: a deeprec sequence column per key (values shared, not copied)."""
     keys = list(kjt.keys())
@@ -188,13 +124,6 @@ def to_jagged(ragged: Ragged):
 def from_jagged(jt) -> Ragged:
     """A Ragged sharing the JaggedTensor's values and offsets."""
     return Ragged(jt.values(), jt.offsets())
-
-
-def to_keyed_tensor(pooled: torch.Tensor, keys: Sequence[str], dim: int | None = None):
-    """[B, F, D] pooled embeddings -> KeyedTensor [B, F*D] (a view), as an EmbeddingBagCollection
-    returns. `dim`: D, given when `pooled` is traced (a Proxy has no concrete shape)."""
-    dim = pooled.shape[-1] if dim is None else dim
-    return _torchrec().KeyedTensor(keys=list(keys), length_per_key=[dim] * len(keys), values=pooled.flatten(1))
 
 
 def from_keyed_tensor(kt) -> dict[str, torch.Tensor]:

@@ -297,7 +297,7 @@ class EmbeddingCollection(nn.Module):
         # classes are proxyable), which no other input is: the keys are checked when it runs
         keyed = type(ids).__name__ == "KeyedJaggedTensor" or isinstance(ids, torch.fx.Proxy)
         if keyed:
-            from deeprec.interop.torchrec import kjt_columns
+            from deeprec.nn.keyed import kjt_columns
             if self.sequence_names:
                 raise ConfigError(f"sequence features ({', '.join(self.sequence_names)}) take padded ids [B, L], "
                                   "not a KeyedJaggedTensor: a KJT input embeds pooled features only")
@@ -310,7 +310,7 @@ class EmbeddingCollection(nn.Module):
         if not self.sequence_names:
             pooled = self.lookup(uniques, inverse, offsets, weights, counts)
             if keyed:  # what torchrec's EmbeddingBagCollection returns: KeyedTensor [B, F*D], a view
-                from deeprec.interop.torchrec import to_keyed_tensor
+                from deeprec.nn.keyed import to_keyed_tensor
                 return to_keyed_tensor(pooled, self.names, self.embedding_dim)
             return pooled
         sequences = ordered[len(self.names):]
