@@ -251,22 +251,29 @@ def open_raw_stream(path: str):
 
 
 class _Decompressed(io.RawIOBase):
-    """A sequential file of the decompressed bytes (pyarrow's codecs: gzip incl. concatenated
-    members, zstd, bz2), errors as DataErrors naming the file."""
+    """A sequential file of the decompressed bytes (gzip incl. concatenated members: ISA-L's igzip
+    when `isal` is installed, else pyarrow's; zstd and bz2: pyarrow's), errors as DataErrors naming
+    the file."""
 
     def __init__(self, path: str, codec: str):
         import pyarrow as pa
 
         self.path = path
+        igzip = _igzip() if codec == "gzip" else None
+        if igzip is not None:  # ISA-L: gzip decompressed ~2.5x faster than zlib (pip install 'deeprec[gzip]')
+            self._raw = open_raw_stream(path)
+            self._stream, self._all = igzip.IGzipFile(fileobj=self._raw, mode="rb"), -1
+            return
         self._raw = open_raw_stream(path) if is_url(path) else pa.OSFile(path)  # OSFile: no Python per read
-        self._stream = pa.CompressedInputStream(self._raw, codec)
+        self._stream, self._all = pa.CompressedInputStream(self._raw, codec), None
 
     def readable(self) -> bool:
         return True
 
     def read(self, n: int = -1) -> bytes:
         try:
-            return self._stream.read(None if n is None or n < 0 else n)
+            whole = n is None or n < 0
+            return self._stream.read(self._all if whole else n)
         except DataError:
             raise
         except Exception as err:
@@ -282,6 +289,14 @@ class _Decompressed(io.RawIOBase):
         self._stream.close()
         self._raw.close()
         super().close()
+
+
+def _igzip():
+    try:
+        from isal import igzip
+    except ImportError:
+        return None
+    return igzip
 
 
 def open_stream(path: str):
@@ -308,7 +323,8 @@ def iter_blocks(path: str, block: int = BLOCK_BYTES, ahead: int = READ_AHEAD) ->
     """The (decompressed) content in blocks of about `block` bytes, read `ahead` blocks ahead in a thread
     (decompression in pyarrow and remote reads release the GIL, so they overlap the parsing)."""
     def produce():
-        with open_stream(path) as f:
+        codec = compression(path)
+        with (_Decompressed(path, codec) if codec else open_raw_stream(path)) as f:  # no buffer: no copy
             while True:
                 data = f.read(block)
                 if not data:
