@@ -375,3 +375,17 @@ def test_resume_starts_at_its_file_and_row_without_reading_what_came_before(days
     again = CriteoReader(urls, 100, num_shards=2, shard_index=0)
     again.load_state_dict(first.state_dict())
     assert first.state_dict()["unit"] == 1 and head + _ids(again) == whole
+
+
+def test_a_protocol_without_its_package_names_the_extra_and_secrets_are_masked(monkeypatch):
+    from deeprec.data import fs
+
+    try:
+        import gcsfs  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match=r"^--data: gs://bucket/day\.tsv: gs:// needs a package that is not "
+                                              r"installed \(pip install 'deeprec\[gcs\]'\)"):
+            resolve_paths(["gs://bucket/day.tsv"], "--data")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "TopSecretValue123")
+    assert fs.redact("s3://AKID:TopSecretValue123@bucket/x: key TopSecretValue123") == \
+        "s3://AKID:***@bucket/x: key ***"

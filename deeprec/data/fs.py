@@ -60,22 +60,24 @@ def redact(text: str) -> str:
     return text
 
 
-def filesystem(url: str):
-    """(fsspec filesystem, path within it) of a URL; a missing protocol package names its extra."""
+def filesystem(url: str, option: str | None = None):
+    """(fsspec filesystem, path within it) of a URL; a missing protocol package names its extra
+    (errors start with `option`, the flag that gave the URL, when given)."""
+    named = f"{option}: " if option else ""
     try:
         import fsspec
     except ImportError as err:  # pragma: no cover - fsspec comes with torch
-        raise ConfigError(f"{redact(url)}: reading URLs needs fsspec (pip install fsspec)") from err
+        raise ConfigError(f"{named}{redact(url)}: reading URLs needs fsspec (pip install fsspec)") from err
     proto = protocol(url)
     try:
         return fsspec.core.url_to_fs(url)
     except ImportError as err:
         extra = EXTRAS.get(proto)
         hint = f"pip install 'deeprec[{extra}]'" if extra else f"install fsspec's implementation of {proto}://"
-        raise ConfigError(f"{redact(url)}: {proto}:// needs a package that is not installed ({hint}): "
+        raise ConfigError(f"{named}{redact(url)}: {proto}:// needs a package that is not installed ({hint}): "
                           f"{redact(err)}") from None
     except ValueError as err:
-        raise ConfigError(f"{redact(url)}: {redact(err)}") from None
+        raise ConfigError(f"{named}{redact(url)}: {redact(err)}") from None
 
 
 def describe(err: BaseException) -> str:
@@ -105,7 +107,7 @@ def expand(pattern: str, option: str | None = None) -> list[str]:
     """The files a URL names: itself, a folder's files (names starting with '.' or '_', such as
     _SUCCESS, are skipped), or a glob's matches; sorted URLs. Errors are ConfigErrors named by `option`."""
     named = f"{option}: " if option else ""
-    fs, path = filesystem(pattern)
+    fs, path = filesystem(pattern, option)
     proto = protocol(pattern)
 
     def url(p: str) -> str:
