@@ -365,20 +365,28 @@ def _prefetched(items: Iterator, depth: int) -> Iterator:
     stop = threading.Event()
     done = object()
 
+    def put(entry) -> bool:
+        """Queued, unless the consumer stopped first (a blocking put would then wait forever)."""
+        while not stop.is_set():
+            try:
+                q.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def run():
         try:
             for item in items:
-                while not stop.is_set():
-                    try:
-                        q.put((item, None), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not put((item, None)):
                     return
-            q.put((done, None))
+            put((done, None))
         except BaseException as err:  # handed to the consumer
-            q.put((done, err))
+            put((done, err))
+        finally:  # the source's files closed here, by the thread that iterated it
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()
 
     thread = threading.Thread(target=run, name="deeprec-read-ahead", daemon=True)
     thread.start()
