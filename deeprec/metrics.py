@@ -106,16 +106,25 @@ class GroupedAUC:
             part = tuple(a[keep] for a in part)
         self.parts.append(part)
         self.rows += len(part[0])
+        self._bound()
+
+    def _bound(self) -> None:
+        """Halve the users kept (by hash) until at most `max_rows` rows are."""
         while self.rows > self.max_rows:
             self.level += 1
-            self.parts = [tuple(a[keep] for a in p) for p in self.parts for keep in [self._keep(p[0])]]
-            self.rows = sum(len(p[0]) for p in self.parts)
+            self._resample()
+
+    def _resample(self) -> None:
+        self.parts = [tuple(a[keep] for a in p) for p in self.parts for keep in [self._keep(p[0])]]
+        self.rows = sum(len(p[0]) for p in self.parts)
 
     def merge(self, other: "GroupedAUC") -> None:
-        """Add another's rows (another rank's): both are brought to the coarser sample."""
+        """Add another's rows (another rank's): both are brought to the coarser sample, and the union
+        is bounded by `max_rows` as one pass over all the rows would be."""
         self.level = max(self.level, other.level)
-        self.parts = [tuple(a[keep] for a in p) for p in self.parts + other.parts for keep in [self._keep(p[0])]]
-        self.rows = sum(len(p[0]) for p in self.parts)
+        self.parts = self.parts + other.parts
+        self._resample()
+        self._bound()
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if not self.parts:

@@ -67,6 +67,18 @@ def test_gauc_of_two_shards_merged_equals_one_pass():
     assert a.result() == one.result()
 
 
+def test_gauc_of_merged_shards_stays_bounded_and_equals_one_bounded_pass():
+    groups, labels, scores = rows(seed=3)
+    limit = len(groups) // 3  # the union of the shards (each sampled already) is past it
+    one, a, b = GroupedAUC(limit), GroupedAUC(limit), GroupedAUC(limit)
+    one.update(groups, labels, scores)
+    a.update(groups[::2], labels[::2], scores[::2])
+    b.update(groups[1::2], labels[1::2], scores[1::2])
+    a.merge(b)
+    assert a.rows <= limit and a.level == one.level > 0
+    assert a.result() == one.result()
+
+
 def brute_force_retrieval(batches, ks, candidates):
     """The documented definition, one query at a time over an ordered pool."""
     pool: dict[int, np.ndarray] = {}
