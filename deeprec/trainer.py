@@ -281,7 +281,7 @@ class Trainer:
             self.train_reader.should_stop = lambda: stop.requested
         started = time.perf_counter()
         steps = self.fast.train_steps(self._on_device(self.train_reader), self.updater)
-        with stop, progress, contextlib.closing(steps):
+        with stop, progress, contextlib.closing(steps), self._runlog_closed_on_error():
             task = progress.add_task("train", total=total, completed=self.step, loss=float("nan"), rate=0.0)
             while total is None or self.step < total:
                 with record_function("deeprec.step"):
@@ -318,6 +318,17 @@ class Trainer:
         if stop.requested:
             raise Interrupted(stop.signal, self.step, saved)
         return result
+
+    @contextlib.contextmanager
+    def _runlog_closed_on_error(self):
+        """--log-dir: a run that fails (NonFiniteError, a DataError) keeps its curve up to the failure
+        (the writer's queue is flushed to disk by close)."""
+        try:
+            yield
+        except BaseException:
+            if self.runlog is not None:
+                self.runlog.close()
+            raise
 
     def _stop(self, signum: int) -> None:
         """A signal asked the run to stop: the step is done; checkpoint it and say where."""

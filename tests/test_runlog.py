@@ -60,6 +60,24 @@ def test_a_resumed_run_continues_its_curve(tmp_path, sample):
     assert [s for s, _ in scalars(str(tmp_path / "tb"))["train/loss"]] == [5, 10, 15, 20]
 
 
+def test_a_failing_run_closes_its_log_with_the_curve_up_to_the_failure(tmp_path, sample, monkeypatch):
+    cfg = TrainConfig.create(data=[sample], batch_size=64, steps=20, log_dir=str(tmp_path), log_every=5,
+                             progress=False)
+    trainer = Trainer(cfg)
+    after_step = trainer._after_step
+
+    def fail_at_7(progress):
+        after_step(progress)
+        if trainer.step == 7:
+            raise RuntimeError("the data went away")
+
+    monkeypatch.setattr(trainer, "_after_step", fail_at_7)
+    with pytest.raises(RuntimeError, match="the data went away"):
+        trainer.train()
+    assert [s for s, _ in scalars(str(tmp_path))["train/loss"]] == [5]
+    assert trainer.runlog.writer.all_writers is None  # closed: its queue written, its writer thread ended
+
+
 def test_a_log_dir_that_cannot_be_made_is_named(tmp_path, sample):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="--log-dir .*file"):
