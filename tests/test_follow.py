@@ -59,6 +59,16 @@ def test_files_landing_while_reading_are_each_read_once_in_name_order(tmp_path):
     assert reader.stats.rows == 100
 
 
+def test_a_listing_error_is_logged_once_while_waiting(tmp_path, caplog):
+    write_hour(tmp_path, "hour=01.csv", 0, 20)
+    (tmp_path / "hour=02.parquet").write_bytes(b"PAR1")  # mixed formats: resolve_paths refuses the folder
+    reader = follow(tmp_path)
+    with caplog.at_level("WARNING", logger="deeprec.data"):
+        assert reader._complete_new_files() == [] and reader._complete_new_files() == []
+    said = [r.getMessage() for r in caplog.records if "--follow" in r.getMessage()]
+    assert len(said) == 1 and "mixes" in said[0] and "hour=02.parquet" in said[0]
+
+
 def test_a_file_still_growing_is_waited_for(tmp_path):
     write_hour(tmp_path, "a.csv", 0, 5)
     os.utime(tmp_path / "a.csv", (time.time() - 60, time.time() - 60))  # landed a while ago: taken at once

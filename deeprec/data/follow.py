@@ -50,6 +50,7 @@ class FollowReader:
         self.inner = None
         self.stats = ReaderStats()
         self._sizes: dict[str, tuple] = {}  # a candidate's (size, mtime) at the last poll
+        self._waiting_on: str | None = None  # why the last look listed nothing (said once)
 
     def _complete_new_files(self) -> list[str]:
         """Files not yet read whose size and mtime have not changed since the last poll."""
@@ -58,8 +59,12 @@ class FollowReader:
                 fs.filesystem(pattern)[0].invalidate_cache()
         try:
             matched = resolve_paths(self.patterns, "--data")
-        except ConfigError:  # nothing there yet (a folder emptied, a glob matching none): wait
+        except ConfigError as err:  # nothing there yet (a folder emptied, a glob matching none): wait; any
+            if str(err) != self._waiting_on:  # other reason (mixed formats, credentials) is said, once
+                self._waiting_on = str(err)
+                log.warning("--follow: no new files taken, waiting (%s)", err)
             return []
+        self._waiting_on = None
         seen = set(self.done) | set(self.current)
         ready, sizes, now = [], {}, time.time()
         for path in matched:
