@@ -119,6 +119,16 @@ def test_drop_in_ebc_equals_torchrec_ebc():
     assert ours.table("t1").abs().max() <= bound and ours.embedding_bag_configs() == TABLES
 
 
+def test_a_torchrec_state_of_another_shape_is_refused_not_broadcast():
+    ours = ti.EmbeddingBagCollection(TABLES)
+    state = {f"embedding_bags.{t.name}.weight": torch.zeros(t.num_embeddings, t.embedding_dim) for t in TABLES}
+    state["embedding_bags.t2.weight"] = torch.ones(1, 8)  # copy_ would fill every row of t2 with it
+    before = {t.name: ours.table(t.name).clone() for t in TABLES}
+    with pytest.raises(ConfigError, match=r"'embedding_bags.t2.weight' is \(1, 8\), table 't2' is \(7, 8\)"):
+        ours.load_torchrec_state_dict(state)
+    assert all(torch.equal(ours.table(name), rows) for name, rows in before.items())  # none changed
+
+
 def test_drop_in_ebc_trains_as_torchrec_ebc_with_sgd(sample):
     """The TorchRec model trained by torchrec (dense SGD on its tables) and by deeprec (row-sparse SGD)."""
     example = _example()

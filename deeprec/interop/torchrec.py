@@ -225,13 +225,20 @@ class EmbeddingBagCollection(nn.Module):
         return lookup.weight.data[start:start + size]
 
     def load_torchrec_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Copy a torchrec EmbeddingBagCollection's weights (`embedding_bags.<table>.weight`) in."""
+        """Copy a torchrec EmbeddingBagCollection's weights (`embedding_bags.<table>.weight`) in: all
+        checked first (present, same shape), so a refused state changes no table."""
+        keys = {t.name: f"embedding_bags.{t.name}.weight" for t in self._tables}
         for t in self._tables:
-            key = f"embedding_bags.{t.name}.weight"
+            key = keys[t.name]
             if key not in state_dict:
                 raise ConfigError(f"load_torchrec_state_dict: no {key!r}; keys: {', '.join(state_dict)}")
-            with torch.no_grad():
-                self.table(t.name).copy_(state_dict[key])
+            shape = tuple(self.table(t.name).shape)
+            if tuple(state_dict[key].shape) != shape:  # copy_ would broadcast a [1, D] or [D] silently
+                raise ConfigError(f"load_torchrec_state_dict: {key!r} is {tuple(state_dict[key].shape)}, table "
+                                  f"{t.name!r} is {shape} (num_embeddings, embedding_dim)")
+        with torch.no_grad():
+            for t in self._tables:
+                self.table(t.name).copy_(state_dict[keys[t.name]])
 
     # -- forward ---------------------------------------------------------------------------------------
     def forward(self, features):
