@@ -97,7 +97,8 @@ class RunLog:
         self._window(step, stage_seconds, staged)
 
     def evaluation(self, step: int, metrics: dict) -> None:
-        tasks = metrics.get("tasks") or {}
+        tasks = {task: {k: v for k, v in values.items() if k not in UNPLOTTED}
+                 for task, values in (metrics.get("tasks") or {}).items()}
         top = {k: v for k, v in metrics.items() if k not in UNPLOTTED}
         for tag, value in {**_flat("eval", top), **_flat("eval", tasks)}.items():
             if math.isfinite(value):

@@ -50,6 +50,7 @@ def test_multi_task_models_get_an_auc_per_task(tmp_path, behavior):
     for task in ("click", "like"):
         assert found[f"eval/{task}/auc"] == [(10, pytest.approx(ev["tasks"][task]["auc"], rel=1e-6))]
     assert [s for s, _ in found["train/loss"]] == [5, 10]
+    assert not [tag for tag in found if tag.endswith("auc_error_bound")]  # a size, not plotted, per task too
 
 
 def test_a_resumed_run_continues_its_curve(tmp_path, sample):
