@@ -1,4 +1,12 @@
 """Exceptions raised by deeprec. Each names what went wrong and where."""
+import re
+
+_URL_PASSWORD = re.compile(r"(://[^/:@\s]*):[^/@\s]*@")
+
+
+def without_password(text: str) -> str:
+    """`text` with the password of any URL in it (scheme://user:password@host) masked."""
+    return _URL_PASSWORD.sub(r"\1:***@", str(text))
 
 
 class DeepRecError(Exception):
@@ -15,6 +23,7 @@ class DataError(DeepRecError, ValueError):
     def __init__(self, message: str, path: str | None = None, line: int | None = None):
         where = ""
         if path is not None:
+            path = without_password(path)
             where = f"{path}:{line}: " if line is not None else f"{path}: "
         super().__init__(where + message)
         self.path = path

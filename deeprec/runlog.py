@@ -22,7 +22,7 @@ import math
 import os
 import time
 
-from deeprec.errors import ConfigError
+from deeprec.errors import ConfigError, without_password
 
 UNPLOTTED = ("tasks", "rows", "auc_error_bound", "gauc_rows", "retrieval_candidates")  # sizes, not quality
 
@@ -69,7 +69,7 @@ class RunLog:
     def config(self, cfg) -> None:
         lines = [f"    [{f.name}] " + ", ".join(f"{k} = {v!r}" for k, v in dataclasses.asdict(getattr(cfg, f.name)).items())
                  for f in dataclasses.fields(cfg)]
-        self.text("config", "\n".join(lines))  # indented: TensorBoard renders it as code, one section a line
+        self.text("config", without_password("\n".join(lines)))  # indented: TensorBoard renders it as code, one section a line
 
     def step(self, step: int, loss: float, rows: int, stage=None, counters=None) -> None:
         """After each step; every `every` steps writes the window's scalars. `stage`: SmartStage's

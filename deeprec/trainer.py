@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import time
+import zlib
 from dataclasses import asdict
 
 import torch
@@ -62,11 +63,15 @@ def make_readers(cfg: TrainConfig, schema=None, drop_remainder: bool = False, tr
     train_kw = dict(shuffle_buffer=cfg.data.shuffle_buffer, num_epochs=epochs, drop_remainder=drop_remainder, **common,
                     **(train_shards or {}))
     eval_kw = dict(num_epochs=1, **common, **(eval_shards or {}))
-    if cfg.data.follow:
-        def open_files(files):
-            return open_reader(files, cfg.data.batch_size, **train_kw)
+    if cfg.data.follow:  # workers see new files at different times: each reads whole files of its own
+        follow_kw = {k: v for k, v in train_kw.items() if k not in ("shard_index", "num_shards")}
+        shard, shards = (train_shards or {}).get("shard_index", 0), (train_shards or {}).get("num_shards", 1)
 
-        train = FollowReader(cfg.data.paths, open_files, cfg.data.follow_interval)
+        def open_files(files):
+            return open_reader(files, cfg.data.batch_size, **follow_kw)
+
+        train = FollowReader(cfg.data.paths, open_files, cfg.data.follow_interval,
+                             owns=lambda path: zlib.crc32(path.encode()) % shards == shard)
         held_out = open_reader(cfg.data.eval_paths, cfg.data.eval_batch_size, **eval_kw) if cfg.data.eval_paths else None
         return train, held_out
     if cfg.data.eval_paths:

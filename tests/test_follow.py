@@ -160,3 +160,21 @@ def test_sigterm_ends_the_wait_with_a_checkpoint_and_resume_goes_on(tmp_path):
     followed = state["reader"]["done"] + state["reader"]["current"]
     assert [os.path.basename(f) for f in followed] == ["h0.tsv", "h1.tsv"]
     assert json.load(open(tmp_path / "r.json"))["rows"] == 200  # only the new file's rows
+
+
+def test_workers_of_a_job_split_the_files_whole(tmp_path):
+    for hour in range(8):
+        write_hour(tmp_path, f"h{hour}.csv", hour * 3, 3)
+        os.utime(tmp_path / f"h{hour}.csv", (time.time() - 60, time.time() - 60))
+    cfg = TrainConfig.create(data=[str(tmp_path)], schema=None, follow=True, follow_interval=0.05, batch_size=2)
+    from deeprec.trainer import make_readers
+
+    rows = []
+    for worker in range(3):
+        reader, _ = make_readers(cfg, SCHEMA, train_shards={"shard_index": worker, "num_shards": 3})
+        reader.should_stop = lambda: True
+        mine = [r for b in reader for r in b["row"].tolist()]
+        files = {r // 3 for r in mine}
+        assert all(sum(1 for r in mine if r // 3 == f) == 3 for f in files)  # whole files only
+        rows += mine
+    assert sorted(rows) == list(range(24))  # every row once across the workers

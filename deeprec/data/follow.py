@@ -38,12 +38,14 @@ def _stat(path: str) -> tuple[int, float | None]:
 
 class FollowReader:
     """Reads the files matching `patterns` once each, in name order, and keeps polling for new ones.
-    `open_files(files)` opens a one-pass reader over some files (sharding and the bad-row policy are
-    its own)."""
+    `open_files(files)` opens a one-pass reader over some files (the bad-row policy is its own);
+    `owns(path)`: whether this worker reads that file (workers of a job split files, not bytes: each
+    sees new files at its own time, so byte-range shares of a changing set would not add up)."""
 
     def __init__(self, patterns: list[str], open_files: Callable[[list[str]], object], poll_seconds: float = 10.0,
-                 should_stop: Callable[[], bool] = lambda: False):
+                 should_stop: Callable[[], bool] = lambda: False, owns: Callable[[str], bool] = lambda path: True):
         self.patterns, self.open_files, self.poll_seconds = list(patterns), open_files, poll_seconds
+        self.owns = owns  # this worker's files (several workers: each file is one worker's, whole)
         self.should_stop = should_stop
         self.done: list[str] = []  # files read to their end, in order
         self.current: list[str] = []  # files the reader `inner` is reading
@@ -68,7 +70,7 @@ class FollowReader:
         seen = set(self.done) | set(self.current)
         ready, sizes, now = [], {}, time.time()
         for path in matched:
-            if path in seen or os.path.basename(path).startswith(("_", ".")):
+            if path in seen or os.path.basename(path).startswith(("_", ".")) or not self.owns(path):
                 continue
             try:
                 size, modified = _stat(path)

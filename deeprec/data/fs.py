@@ -21,7 +21,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
-from deeprec.errors import ConfigError, DataError
+from deeprec.errors import ConfigError, DataError, without_password
 
 BLOCK_BYTES = 4 << 20  # one ranged GET
 READ_AHEAD = 2  # blocks fetched ahead of the one being read
@@ -52,7 +52,7 @@ def compression(path: str) -> str | None:
 
 def redact(text: str) -> str:
     """`text` with credential values (from the environment or a URL's user:password@) masked."""
-    text = re.sub(r"(://[^/:@\s]*):[^/@\s]*@", r"\1:***@", str(text))
+    text = without_password(text)
     for name in _SECRET_ENV:
         value = os.environ.get(name)
         if value and len(value) >= 4:

@@ -11,6 +11,7 @@ from a file is taken from them (`hour` as a categorical, say).
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 from urllib.parse import unquote
@@ -99,6 +100,7 @@ def partition_values(path: str) -> dict[str, str | None]:
     return values
 
 
+@functools.lru_cache(maxsize=65536)  # one ranged read per remote file, not one per listing or --follow look
 def file_format(path: str) -> str:
     """"parquet", "orc" or "text": by extension, else by the file's magic bytes (Hive and
     ODPS write ORC and Parquet files with no extension: 000000_0, part-00000)."""

@@ -158,8 +158,10 @@ def assemble(rows: torch.Tensor, inverse, offsets, weights, masks: Sequence[torc
         bag_inverse, bag_offsets = inverse[:ids_end], offsets[:end + 1]
         # one id in every bag: pooling is a gather (the same values as embedding_bag's weighted sum of
         # one row; an exported program, whose sizes are symbols, takes the general path). As many ids as
-        # bags is not enough (a bag of two and an empty one): every bag's length is checked too, in eager only
-        one_each = guard_or_false(bag_inverse.numel() == end) and not torch.compiler.is_compiling()
+        # bags is not enough (a bag of two and an empty one): every bag's length is checked too, in eager
+        # and on the CPU only (on a GPU the check would wait for the device on every forward)
+        one_each = (guard_or_false(bag_inverse.numel() == end) and not torch.compiler.is_compiling()
+                    and bag_offsets.device.type == "cpu")
         if one_each and bag_offsets.numel() > 1:
             one_each = bool((bag_offsets[1:] - bag_offsets[:-1]).eq(1).all())
         if one_each:
