@@ -75,10 +75,11 @@ DIFFERENCES = {
 }
 
 
-def deeprec_run(model, train, held_out, *, steps, batch, optimizer, lr, eval_every, seed=0, schema=None) -> dict:
+def deeprec_run(model, train, held_out, *, steps, batch, optimizer, lr, eval_every, seed=0, schema=None,
+                overrides=None) -> dict:
     cfg = TrainConfig.create(model=model, data=[train], eval_data=[held_out], schema=schema, steps=steps,
                              optimizer=optimizer, lr=lr, batch_size=batch, eval_batch_size=4096,
-                             eval_every=eval_every, progress=False, seed=seed)
+                             eval_every=eval_every, progress=False, seed=seed, model_overrides=overrides or {})
     trainer = Trainer(cfg, console=Console(file=io.StringIO()))
     start = time.perf_counter()
     result = trainer.train()
@@ -127,7 +128,8 @@ def compare(dataset, model, train_path, eval_path, peers, args, workdir, *, step
     for seed in seeds:
         name = "deeprec" if seed == 0 else f"deeprec (seed {seed})"
         print(f"[{dataset}] {model}: {name}", flush=True)
-        runs[name] = deeprec_run(model, train_path, eval_path, seed=seed, **opt)
+        overrides = {"batch_norm": False} if model == "din" and args.din_no_batch_norm else None
+        runs[name] = deeprec_run(model, train_path, eval_path, seed=seed, overrides=overrides, **opt)
     if peers:
         train, held_out = encode(model, train_path), encode(model, eval_path)
     for peer in peers:
@@ -139,7 +141,7 @@ def compare(dataset, model, train_path, eval_path, peers, args, workdir, *, step
             name = "TensorFlow 2.21 Keras DLRM"
         else:
             try:
-                impl = build_peer(peer, model, train)
+                impl = build_peer(peer, model, train, batch_norm=not args.din_no_batch_norm)
             except ImportError as err:
                 runs[peer] = {"skipped": f"{peer} not installed ({err})"}
                 continue
@@ -153,7 +155,7 @@ def compare(dataset, model, train_path, eval_path, peers, args, workdir, *, step
             "eval_every": eval_every, "metric": "gauc" if model == "din" else "auc", "runs": runs}
 
 
-def build_peer(peer: str, model: str, train: dict):
+def build_peer(peer: str, model: str, train: dict, batch_norm: bool = True):
     import torch
 
     torch.manual_seed(0)
@@ -167,7 +169,7 @@ def build_peer(peer: str, model: str, train: dict):
         hist = [col for col in BEHAVIOR_SCHEMA.columns if col.kind == "sequence"]
         din = {"items": [col.embed_with for col in hist], "item_buckets": [c.hash_buckets] * len(hist),
                "max_length": c.max_length, "attention": c.attention}
-        return DeepCTRPeer("din", train, c.embedding_dim, c.top, din)
+        return DeepCTRPeer("din", train, c.embedding_dim, c.top, {**din, "batch_norm": batch_norm})
     hidden = {"deepfm": (1024, 256, 32), "wdl": (1024, 512, 256)}[model]
     return DeepCTRPeer(model, train, 16, hidden)
 
@@ -276,6 +278,8 @@ def main() -> None:
     p.add_argument("--optimizer", choices=("adam", "adagrad"), default="adam")
     p.add_argument("--lr", type=float, default=0.001)
     p.add_argument("--models", default="dlrm,deepfm,wdl,din")
+    p.add_argument("--din-no-batch-norm", action="store_true",
+                   help="diagnostic: DIN's top MLP without batch norm in deeprec and DeepCTR-Torch alike")
     p.add_argument("--no-sample", action="store_true", help="skip the bundled real Criteo sample")
     p.add_argument("--no-seed-spread", action="store_true", help="skip deeprec's second seed")
     p.add_argument("--out", default="quality", help="results/<out>.json and .png")

@@ -175,7 +175,8 @@ class DeepCTRPeer:
         else:  # hist_<item column> share the item column's table (+1: id 0 is DeepCTR's padding)
             hist = [VarLenSparseFeat(SparseFeat(f"hist_{c}", int(n) + 1, dim, embedding_name=c), din["max_length"],
                                      length_name="hist_length") for c, n in zip(din["items"], din["item_buckets"])]
-            self.model = dm.DIN(sparse + hist, list(din["items"]), dnn_use_bn=True, dnn_hidden_units=hidden,
+            self.model = dm.DIN(sparse + hist, list(din["items"]), dnn_use_bn=din.get("batch_norm", True),
+                                dnn_hidden_units=hidden,
                                 att_hidden_size=din["attention"], att_activation="sigmoid",
                                 att_weight_normalization=True, **common)
         self.model.out.task = "regression"  # logit + bias: the loss takes logits
