@@ -32,10 +32,10 @@ def run_all(source, stage, **opts):
         runner.close()
 
 
-def deeprec_threads():
-    """deeprec's threads, less the process-wide pool of ranged GETs (deeprec.data.fs): an earlier test
-    reading a URL starts it, and its idle threads live with the process by design."""
-    return [t for t in threading.enumerate() if t.name.startswith("deeprec-") and not t.name.startswith("deeprec-fetch")]
+def deeprec_threads(before=()):
+    """deeprec's threads not among `before` (those an earlier test left: a PS client's pool, fs's
+    process-wide pool of ranged GETs, are not this test's)."""
+    return [t for t in threading.enumerate() if t.name.startswith("deeprec-") and t not in before]
 
 
 def test_defaults_are_the_seeds():
@@ -264,7 +264,7 @@ def test_no_thread_outlives_its_loop(ending):
     def loop():
         for i, out in enumerate(fast.iterate(tiny_batches(50))):
             if i == 2:  # the stage is running (50 batches, only 2 buffered ahead)
-                assert len(deeprec_threads()) == 3
+                assert len(deeprec_threads(before)) == 3
             if ending == "exception" and i == 5:
                 raise RuntimeError("user code failed")
             if ending == "break" and i == 5:
@@ -280,7 +280,7 @@ def test_no_thread_outlives_its_loop(ending):
     new = set(threading.enumerate()) - before
     ours = [t.name for t in new if t.name.startswith("deeprec")
             or getattr(getattr(t, "_target", None), "__module__", "").startswith("deeprec")]
-    assert deeprec_threads() == [] and ours == [], [t.name for t in new]
+    assert deeprec_threads(before) == [] and ours == [], [t.name for t in new]
     assert torch.get_num_threads() == threads_before  # the main step's thread budget is restored
 
 
@@ -340,6 +340,7 @@ def test_process_executor_closed_and_ignored(caplog):
 def test_process_executor_model_outputs_identical_and_process_stopped_on_break(sample):
     import multiprocessing
 
+    before = set(threading.enumerate())
     model = build_model("dlrm", hash_buckets=200)
     fast = dr.optimize(model, dr.Config(smart_stage=True, smart_stage_options=dr.SmartStageOptions(**PROCESS)))
     losses = [o["loss"].item() for o in fast.iterate(CriteoReader(sample, 40))]
@@ -347,7 +348,7 @@ def test_process_executor_model_outputs_identical_and_process_stopped_on_break(s
     for i, _ in enumerate(fast.iterate(CriteoReader(sample, 10, num_epochs=None))):
         if i == 3:
             break
-    assert multiprocessing.active_children() == [] and deeprec_threads() == []
+    assert multiprocessing.active_children() == [] and deeprec_threads(before) == []
 
 
 def test_process_executor_needs_picklable_input():
