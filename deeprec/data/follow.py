@@ -70,7 +70,7 @@ class FollowReader:
         seen = set(self.done) | set(self.current)
         ready, sizes, now = [], {}, time.time()
         for path in matched:
-            if path in seen or os.path.basename(path).startswith(("_", ".")) or not self.owns(path):
+            if path in seen or fs.is_hidden(os.path.basename(path)) or not self.owns(path):
                 continue
             try:
                 size, modified = _stat(path)

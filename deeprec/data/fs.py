@@ -35,6 +35,12 @@ _SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID"
                "OSS_ACCESS_KEY_SECRET", "OSS_ACCESS_KEY_ID")
 
 
+def is_hidden(name: str) -> bool:
+    """A file or folder name that holds no data: Hadoop's, Hive's and Spark's temporary and marker
+    files (`_SUCCESS`, `_temporary`, `.part-0.crc`) start with `_` or `.`."""
+    return name.startswith((".", "_"))
+
+
 def is_url(path: str) -> bool:
     return bool(_URL.match(str(path)))
 
@@ -123,7 +129,7 @@ def expand(pattern: str, option: str | None = None) -> list[str]:
         info = fs.info(path)
         if info.get("type") == "directory":
             files = sorted(url(i["name"]) for i in fs.ls(path, detail=True) if i.get("type") != "directory"
-                           and not os.path.basename(i["name"].rstrip("/")).startswith((".", "_")))
+                           and not is_hidden(os.path.basename(i["name"].rstrip("/"))))
             if not files:
                 raise ConfigError(named + f"folder {redact(pattern)!r} holds no data files (names starting with "
                                   "'.' or '_' are ignored)")

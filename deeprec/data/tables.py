@@ -16,6 +16,8 @@ import os
 import re
 from urllib.parse import unquote
 
+from deeprec.data.fs import is_hidden
+
 PARQUET_SUFFIXES = (".parquet", ".pq")
 ORC_SUFFIXES = (".orc",)
 HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"  # Hive's folder name for a null partition value
@@ -23,7 +25,7 @@ _PARTITION = re.compile(r"^([^=]+)=(.*)$")
 
 
 def is_partition_folder(name: str) -> bool:
-    return bool(_PARTITION.match(name)) and not name.startswith((".", "_"))
+    return bool(_PARTITION.match(name)) and not is_hidden(name)
 
 
 def natural_key(name: str):
@@ -34,13 +36,13 @@ def natural_key(name: str):
 def list_table(root: str) -> list[str] | None:
     """The data files of a Hive-partitioned folder in partition order, or None when `root`
     has no `key=value` subfolder (a plain folder: listed by the caller as before)."""
-    entries = [e for e in os.listdir(root) if not e.startswith((".", "_"))]
+    entries = [e for e in os.listdir(root) if not is_hidden(e)]
     if not any(is_partition_folder(e) and os.path.isdir(os.path.join(root, e)) for e in entries):
         return None
     out = []
 
     def walk(folder):
-        names = [e for e in os.listdir(folder) if not e.startswith((".", "_"))]
+        names = [e for e in os.listdir(folder) if not is_hidden(e)]
         for name in sorted(names, key=natural_key):
             path = os.path.join(folder, name)
             if os.path.isdir(path):
@@ -77,7 +79,7 @@ def list_remote_table(url: str) -> list[str] | None:
 
     def walk(entries):
         for entry in sorted(entries, key=lambda e: natural_key(name(e))):
-            if name(entry).startswith((".", "_")) or name(entry).endswith(".crc"):
+            if is_hidden(name(entry)) or name(entry).endswith(".crc"):
                 continue
             if entry.get("type") == "directory":
                 walk(filesystem.ls(entry["name"], detail=True))
@@ -94,7 +96,7 @@ def partition_values(path: str) -> dict[str, str | None]:
     values = {}
     for part in os.path.normpath(os.path.dirname(path)).split(os.sep):
         m = _PARTITION.match(part)
-        if m and not part.startswith((".", "_")):
+        if m and not is_hidden(part):
             value = unquote(m.group(2))
             values[unquote(m.group(1))] = None if value == HIVE_NULL else value
     return values
