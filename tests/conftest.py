@@ -105,3 +105,6 @@ def running_ps(*args, env=None, cwd=None):
     finally:
         proc.kill()
         proc.wait(10)
+
+
+pytest_plugins = ["cluster"]  # tests/cluster.py: the `cluster` fixture (hosts in network namespaces)
