@@ -161,13 +161,14 @@ def cmd_train(args, console: Console) -> int:
 def cmd_launch(args, console: Console) -> int:
     from deeprec.distributed.launch import launch
     from deeprec.options import build, given
-    from deeprec.train_config import CheckpointConfig, DistributedConfig
+    from deeprec.train_config import CheckpointConfig, DistributedConfig, LaunchConfig
 
     distributed = build(DistributedConfig, given(args, DistributedConfig, ("distributed",)))
+    launching = build(LaunchConfig, given(args, LaunchConfig, ("launch",)), ("launch",))
     resume = given(args, CheckpointConfig, ("checkpoint",)).get("resume", CheckpointConfig.resume)  # its dir: train's
     train_args = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
     return launch(args.ps, args.workers, distributed.protocol, train_args, sync=distributed.sync, resume=resume,
-                  collective=args.collective)
+                  collective=args.collective, max_restarts=launching.max_restarts)
 
 
 def cmd_explain(args, console: Console) -> int:
@@ -350,7 +351,7 @@ def non_negative_float(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     from deeprec import __version__
     from deeprec.options import add_arguments
-    from deeprec.train_config import CheckpointConfig, DistributedConfig, TrainConfig
+    from deeprec.train_config import CheckpointConfig, DistributedConfig, LaunchConfig, TrainConfig
 
     parser = argparse.ArgumentParser(prog="deeprec", description="Fast training of sparse CTR models.")
     parser.add_argument("--version", action="version", version=f"deeprec {__version__}")
@@ -377,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     # the worker options launch itself acts on: the same fields as deeprec train's
     add_arguments(la, DistributedConfig, ("distributed",), exclude=("dense", "collective_timeout"))
     add_arguments(la, CheckpointConfig, ("checkpoint",), exclude=("dir", "every", "incremental_every"))
+    add_arguments(la, LaunchConfig, ("launch",))
     la.add_argument("rest", nargs=argparse.REMAINDER, help="-- train ... (the worker command)")
     la.set_defaults(func=cmd_launch)
 

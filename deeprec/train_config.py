@@ -179,9 +179,24 @@ class DistributedConfig:
     """collective training (torchrun ranks): the deadline of every collective (the rendezvous, the embedding
     exchange, the dense all-reduce, evaluation, the stop agreement); a rank stopped, killed or cut off makes
     the others exit with an error naming it within this plus 30 s"""
+    ps_deadline: float = option(60.0, gt=0, metavar="SECONDS")
+    """PS workers: how long a call to a PS that does not answer (a partition, a restart) is retried before the
+    worker fails naming the PS; retries are exactly-once (a PS answers a repeated request without running it)"""
 
     def __post_init__(self):
         check_fields(self, ("distributed",))
+
+
+@dataclass
+class LaunchConfig:
+    """deeprec launch's own options (not the worker command's)."""
+
+    max_restarts: int = option(0, ge=0)
+    """collective jobs (--collective): after a rank fails, stop every rank and start them all again, up to this
+    many times (as torchrun --max-restarts); each restart resumes from the worker command's --checkpoint-dir"""
+
+    def __post_init__(self):
+        check_fields(self, ("launch",))
 
 
 @dataclass

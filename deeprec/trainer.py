@@ -144,7 +144,7 @@ class Trainer:
                                                        self.updater, compile=cfg.export.compile)
         if cfg.checkpoint.dir:
             remove_stale_temporaries(self.strategy.checkpoint_dir(cfg.checkpoint.dir))
-        if cfg.checkpoint.resume:
+        if cfg.checkpoint.resume or self.strategy.resume_reason:  # the reason: an elastic restart
             self._restore()
         if cfg.training.steps is not None and self.step > cfg.training.steps:
             raise ConfigError(f"--steps {cfg.training.steps} is below the {self.step} steps already done in "
@@ -196,7 +196,7 @@ class Trainer:
             self.console.print(f"[yellow]warning:[/yellow] skipped {escape(str(err))}", highlight=False)
             log.warning("resume skipped %s", err)
         if not found.states:
-            self.console.print(f"no checkpoint in {self.cfg.checkpoint.dir}: starting from step 0")
+            self.console.print(f"no checkpoint in {self.cfg.checkpoint.dir}: starting from step 0{self._why()}")
             return
         if found.note:
             self.console.print(found.note)
@@ -208,7 +208,11 @@ class Trainer:
         self._reader_state = found.reader
         torch.set_rng_state(state["torch_rng"])
         self.updater.step = int(state["step"])
-        self.console.print(f"resumed from {', '.join(os.path.basename(p) for p, _ in found.states)} at step {self.step}")
+        self.console.print(f"resumed from {', '.join(os.path.basename(p) for p, _ in found.states)} at step {self.step}"
+                           f"{self._why()}")
+
+    def _why(self) -> str:
+        return f" ({self.strategy.resume_reason})" if self.strategy.resume_reason else ""
 
     # -- evaluation, exports --------------------------------------------------------------
     def _evaluate(self) -> dict:
@@ -285,7 +289,7 @@ class Trainer:
         if isinstance(self.train_reader, FollowReader):  # its wait for new files ends on a stop request
             self.train_reader.should_stop = lambda: stop.requested
         started = time.perf_counter()
-        steps = self.fast.train_steps(self._on_device(self.train_reader), self.updater)
+        steps = self._steps()
         with stop, progress, contextlib.closing(steps), self._runlog_closed_on_error():
             task = progress.add_task("train", total=total, completed=self.step, loss=float("nan"), rate=0.0)
             while total is None or self.step < total:
@@ -323,6 +327,16 @@ class Trainer:
         if stop.requested:
             raise Interrupted(stop.signal, self.step, saved)
         return result
+
+    def _steps(self):
+        """The steps; after an error the strategy recovers from (a PS restart), again from the step it restored."""
+        while True:
+            try:
+                yield from self.fast.train_steps(self._on_device(self.train_reader), self.updater)
+                return
+            except Exception as err:
+                if not self.strategy.recover(self, err):
+                    raise
 
     @contextlib.contextmanager
     def _runlog_closed_on_error(self):

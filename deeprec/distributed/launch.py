@@ -89,11 +89,15 @@ def _stream(prefix: str, pipe, sink) -> None:
 
 
 def launch(num_ps: int | None, num_workers: int, protocol: str, train_args: list[str], sync: bool = False,
-           out=sys.stdout, resume: bool = False, collective: bool = False) -> int:
-    """num_ps None: 1, or none with `collective`."""
+           out=sys.stdout, resume: bool = False, collective: bool = False, max_restarts: int = 0) -> int:
+    """num_ps None: 1, or none with `collective`. `max_restarts` (collective): restart every rank after
+    one fails, as torchrun --max-restarts does (deeprec.distributed.collective.elastic)."""
     if collective and (num_ps or sync):
         raise ConfigError("--collective starts no parameter server: drop --ps and --sync (collective training is "
                           "synchronous)")
+    if max_restarts and not collective:
+        raise ConfigError("--max-restarts restarts the ranks of a collective job: add --collective (a PS job's "
+                          "workers are not restarted)")
     num_ps = 0 if collective else (1 if num_ps is None else num_ps)
     if protocol not in PROTOCOLS:
         raise ConfigError(f"protocol={protocol!r} is not allowed; choose one of {', '.join(PROTOCOLS)}")
@@ -133,7 +137,7 @@ def launch(num_ps: int | None, num_workers: int, protocol: str, train_args: list
             signal.signal(sig, forward)
     try:
         if collective:
-            return _run_collective(num_workers, train_args, out, env, children)
+            return _run_collective(num_workers, train_args, out, env, children, max_restarts)
         return _run(num_ps, num_workers, protocol, train_args, out, env, children)
     finally:
         for proc in children:
@@ -173,14 +177,43 @@ def _run(num_ps: int, num_workers: int, protocol: str, train_args: list[str], ou
                         train_args, out, children)
 
 
-def _run_collective(num_workers: int, train_args: list[str], out, env: dict, children: Children) -> int:
-    """torchrun's environment for each rank, on loopback."""
-    master_port = _free_port()
+def _run_collective(num_workers: int, train_args: list[str], out, env: dict, children: Children,
+                    max_restarts: int = 0) -> int:
+    """torchrun's environment for each rank, on loopback. A rank that fails stops the others; with
+    `max_restarts` the launcher then starts every rank again (TORCHELASTIC_RESTART_COUNT = the
+    restart), and each resumes from the worker command's --checkpoint-dir."""
+    from deeprec.distributed.collective.elastic import (MAX_RESTARTS_ENV, RESTART_ENV, checkpoint_dir_of,
+                                                        describe_exit, newest_step)
+
     threads = env.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // num_workers))  # no oversubscription
-    return _run_workers([dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), RANK=str(i),
-                              WORLD_SIZE=str(num_workers), LOCAL_RANK=str(i), LOCAL_WORLD_SIZE=str(num_workers),
-                              OMP_NUM_THREADS=threads) for i in range(num_workers)], train_args, out, children,
-                        all_or_none=True)
+    base = checkpoint_dir_of(train_args)
+    if max_restarts and base is None:
+        out.write(f"[launch] warning: --max-restarts {max_restarts} without the worker command's --checkpoint-dir: "
+                  "a restart starts over from step 0\n")
+    for restart in range(max_restarts + 1):
+        master_port = _free_port()  # a fresh rendezvous per start
+        envs = [dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), RANK=str(i),
+                     WORLD_SIZE=str(num_workers), LOCAL_RANK=str(i), LOCAL_WORLD_SIZE=str(num_workers),
+                     OMP_NUM_THREADS=threads, **{RESTART_ENV: str(restart), MAX_RESTARTS_ENV: str(max_restarts)})
+                for i in range(num_workers)]
+        code = _run_workers(envs, train_args, out, children, all_or_none=True,
+                            then="restarting every rank" if restart < max_restarts else "restart it with --resume")
+        if code == 0 or children.stopping is not None or children.failure is None:
+            return code
+        rank, failed = children.failure
+        if restart == max_restarts:
+            if max_restarts:
+                out.write(f"[launch] restarts exhausted (--max-restarts {max_restarts}): rank {rank} exited with "
+                          f"{describe_exit(failed)} on restart {restart}; the job failed\n")
+            return code
+        step = newest_step(base, num_workers)
+        since = (f"resuming every rank from the checkpoint of step {step}" if step is not None else
+                 f"no checkpoint in {base}: every rank starts over from step 0" if base else
+                 "no --checkpoint-dir: every rank starts over from step 0")
+        out.write(f"[launch] restart {restart + 1} of {max_restarts}: rank {rank} exited with "
+                  f"{describe_exit(failed)}; {since}\n")
+        out.flush()
+    return code
 
 
 class Children(list):
@@ -192,13 +225,15 @@ class Children(list):
         super().__init__()
         self.workers: list[subprocess.Popen] = []
         self.stopping: int | None = None
+        self.failure: tuple[int, int] | None = None  # (rank, exit code) of the last start's first failure
 
 
-def _run_workers(envs: list[dict], train_args: list[str], out, children: Children, all_or_none: bool = False) -> int:
+def _run_workers(envs: list[dict], train_args: list[str], out, children: Children, all_or_none: bool = False,
+                 then: str = "restart it with --resume") -> int:
     """One `deeprec train` per environment; output prefixed; the first failure's exit code.
     `all_or_none` (collective): the first rank that fails stops the others, which would otherwise
-    wait in their next collective for it (as torchrun's agent does)."""
-    procs = []
+    wait in their next collective for it (as torchrun's agent does); `then`: what happens next."""
+    procs, children.failure = [], None
     results = tempfile.mkdtemp(prefix="deeprec-launch-")  # each worker's result JSON: the job's totals
     for i, worker_env in enumerate(envs):
         proc = subprocess.Popen([sys.executable, "-m", "deeprec.cli", *train_args],
@@ -224,11 +259,10 @@ def _run_workers(envs: list[dict], train_args: list[str], out, children: Childre
                 first_failure = i if first_failure is None else first_failure  # the job's exit code: 130/143
                 continue
             if codes[i] != 0 and first_failure is None:
-                first_failure = i
+                first_failure, children.failure = i, (i, codes[i])
                 out.write(f"[launch] worker{i} failed with exit code {codes[i]}\n")
                 if all_or_none:
-                    out.write("[launch] stopping the other ranks: a collective job needs every rank "
-                              "(restart it with --resume)\n")
+                    out.write(f"[launch] stopping the other ranks: a collective job needs every rank ({then})\n")
                     for other, _ in procs:  # killed: their step waits for the failed rank and never ends,
                         if other.poll() is None:  # so SIGTERM's finish-the-step-and-checkpoint cannot apply
                             other.kill()

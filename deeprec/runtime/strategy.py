@@ -77,6 +77,7 @@ class Strategy(abc.ABC):
     name: str = "local"
     rank: int = 0  # this process's share of the data
     world_size: int = 1
+    resume_reason: str | None = None  # set by validate: resume from --checkpoint-dir without --resume (a restart)
 
     @property
     def is_chief(self) -> bool:
@@ -111,6 +112,11 @@ class Strategy(abc.ABC):
         """Whether the run stops after this step, given this process's wish (a signal). Processes that
         step together (collective training) must agree, or one would wait for the others forever."""
         return stop
+
+    def recover(self, trainer, err: BaseException) -> bool:
+        """After `err` ended a step: put `trainer` back at a state to go on from (its step, reader
+        position) and return True, or False to let the error end the run (here: always)."""
+        return False
 
     # -- checkpoints -----------------------------------------------------------------
     def checkpoint_dir(self, base: str) -> str:

@@ -27,6 +27,9 @@ class Collective(Strategy):
         return True  # every rank evaluates its share
 
     def validate(self, cfg) -> None:
+        from deeprec.distributed.collective.elastic import resume_reason
+
+        self.resume_reason = resume_reason(cfg, self.rank)  # restarted by an agent: resume from the checkpoint
         if cfg.model.embedding == "torch":
             raise ConfigError("collective training (torchrun) shards EmbeddingCollections: --embedding torch "
                               "(nn.Embedding) is not sharded; give --embedding table or variable")
