@@ -100,10 +100,17 @@ def join_process_group(rendezvous: Rendezvous, device: torch.device, timeout_s: 
     """torch.distributed's default group for this worker: NCCL for parameters on a GPU, gloo on CPU."""
     if dist.is_initialized():
         raise ConfigError("torch.distributed is already initialized in this process: one worker per process")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"tcp://{rendezvous.master_addr}:{rendezvous.master_port}",
-                            rank=rendezvous.rank, world_size=rendezvous.world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    where = {"init_method": f"tcp://{rendezvous.master_addr}:{rendezvous.master_port}"}
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent store outlives a restart of the ranks, and with it the last start's keys (gloo's
+        # addresses of dead ranks, which a restarted group would wait on): a prefix per start
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.TCPStore(rendezvous.master_addr, rendezvous.master_port, rendezvous.world_size,
+                              is_master=False, timeout=timeout)
+        where = {"store": dist.PrefixStore(f"deeprec/restart-{restart}/", store)}
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", **where,
+                            rank=rendezvous.rank, world_size=rendezvous.world_size, timeout=timeout)
 
 
 def broadcast_parameters(params: list[torch.Tensor]) -> None:
