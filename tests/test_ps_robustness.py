@@ -241,3 +241,50 @@ def test_sigterm_to_launch_stops_and_reaps_every_process(tmp_path):
     assert launcher.wait(30) != 0
     for pid in kids:
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z", pid
+
+
+def test_a_repeated_push_is_applied_once_and_a_stale_caller_is_refused(ps):
+    """Exactly-once retries: a Push (or training Pull) sent again with its (client, seq) gets its first
+    reply without running again, sync pushes included; a caller that registered with another
+    incarnation or restore of the PS gets FAILED_PRECONDITION, and a Load ends a waiting sync pull."""
+    _, address, calls = ps()
+    client = PSClient([address], deadline_s=20)
+    client.register({"emb": 2}, {}, optimizer="sgd", lr=1.0)
+    start = client.pull({"emb": torch.tensor([7])})["emb"][0]
+    push = pack({"embeddings": ["emb"], "dense": [], "client": "w0", "seq": 1},
+                {"keys": torch.tensor([7]), "counts": torch.tensor([1]), "grads/2": torch.ones(1, 2)})
+    for _ in range(3):
+        assert status(calls["Push"], push)[1] is None
+    after = client.pull({"emb": torch.tensor([7])}, train=False)["emb"][0]
+    assert torch.allclose(after, start - 1.0)  # one update, not three
+    sync = pack({"embeddings": [], "dense": [], "step": 1, "workers": 2, "client": "w0", "seq": 2})
+    for _ in range(2):  # the same worker's push of step 1, twice: the step still waits for the other worker
+        assert status(calls["Push"], sync)[1] is None
+    assert unpack(calls["Health"](pack({}), timeout=3))[0]["applied_step"] == 0
+    identity = unpack(calls["Health"](pack({}), timeout=3))[0]
+    stale = pack({"embeddings": [], "dense": [], "expect": ["another", identity["generation"]]})
+    _, err = status(calls["Pull"], stale)
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "restarted" in err.details()
+    waiting = pack({"embeddings": [], "after_step": 5, "expect": [identity["incarnation"], identity["generation"]]})
+    results = []
+    thread = threading.Thread(target=lambda: results.append(status(calls["Pull"], waiting, timeout=20)[1]))
+    thread.start()
+    time.sleep(1.0)
+    client.restore(client.snapshot(), step=0)
+    thread.join(10)
+    assert not thread.is_alive() and results[0].code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "rolled back" in results[0].details()
+    client.close()
+
+
+def test_an_unanswered_call_is_retried_until_the_deadline_then_names_the_ps():
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    client = PSClient([address], deadline_s=2.5)
+    started = time.monotonic()
+    with pytest.raises(Exception) as caught:
+        client.register({"emb": 2}, {})
+    waited = time.monotonic() - started
+    assert 2.0 < waited < 6.0, waited
+    assert f"PS 0 at {address}: Register not answered for" in str(caught.value)
+    assert "(--ps-deadline 2.5)" in str(caught.value)
+    client.close()

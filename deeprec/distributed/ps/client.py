@@ -5,11 +5,20 @@
     star_server_lite  one PushPull per PS: the push of step t rides with the pull of step t+1
 
 Embedding keys go to PS `key % 1000 % num_ps`; dense variables to PS `crc32(name) % num_ps`.
-A failed or late PS call raises PSError naming the PS; nothing waits forever.
+A PS that does not answer (a partition, a restart) is retried until the total deadline
+(--ps-deadline): each attempt is bounded, keepalive pings notice a dead connection, and every
+training Push / Pull carries (client id, sequence number) so a retry of a request the PS already
+ran gets its first reply instead of running twice (exactly-once). Past the deadline, or on any
+other failure, PSError names the PS; a PS that restarted or was rolled back raises PSRolledBack.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+import uuid
 import zlib
 
 import grpc
@@ -26,16 +35,39 @@ from deeprec.nn.variable import shard_of
 from deeprec.choices import DENSE_MODES, PROTOCOLS  # noqa: E402  (re-exported)
 
 
+log = logging.getLogger("deeprec.ps")
+RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# keepalive: a connection whose packets are silently dropped is declared dead after ~5 s (not TCP's
+# 15 minutes), so the retry opens a new one; reconnects back off at most 2 s, so a link that comes
+# back is used within seconds (gRPC's default backoff grows to 120 s)
+CLIENT_OPTIONS = GRPC_OPTIONS + [("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_ms", 3000),
+                                 ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
+                                 ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                                 ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
 class PSError(DeepRecError):
     """A parameter-server call failed; names the PS and the gRPC status."""
 
 
+class PSRolledBack(PSError):
+    """A PS restarted (its rows are gone) or was restored from a checkpoint since this worker last
+    registered: the worker's view of the model no longer matches it (training rolls back)."""
+
+    def __init__(self, message: str, ps: int):
+        super().__init__(message)
+        self.ps = ps
+
+
 class PSClient:
-    def __init__(self, addresses: list[str], protocol: str = "star_server", deadline_s: float = 30.0,
-                 threads: int | None = None):
+    def __init__(self, addresses: list[str], protocol: str = "star_server", deadline_s: float = 60.0,
+                 threads: int | None = None, attempt_s: float | None = None):
+        """`deadline_s`: how long one call is retried (--ps-deadline); `attempt_s`: one attempt's bound
+        (default: a quarter of it, 5 to 15 s: a sync pull may wait that long for the other workers)."""
         check_choice("protocol", protocol, PROTOCOLS)
         self.addresses, self.protocol, self.deadline_s = list(addresses), protocol, deadline_s
-        self.channels = [security.channel(a, GRPC_OPTIONS) for a in self.addresses]
+        self.attempt_s = attempt_s or min(deadline_s, max(5.0, min(15.0, deadline_s / 4)))
+        self.channels = [security.channel(a, CLIENT_OPTIONS) for a in self.addresses]
         self._metadata = security.call_metadata(read_token())  # DEEPREC_PS_TOKEN
         self._calls = {m: [ch.unary_unary(f"/{SERVICE}/{m}") for ch in self.channels]
                        for m in ("Register", "Pull", "Push", "PushPull", "Export", "Load", "Health")}
@@ -50,7 +82,11 @@ class PSClient:
         self.after_step: int | None = None  # sync training: pulls wait for this step's update
         self.sync_workers = 1
         self.bytes_sent = self.bytes_received = self.calls = 0
-
+        self.id, self._seq, self._seq_lock = uuid.uuid4().hex, itertools.count(1), threading.Lock()
+        # per PS: [incarnation, generation] it answered at Register / Load; sent with every request,
+        # a PS that restarted or was restored since answers FAILED_PRECONDITION (PSRolledBack)
+        self.expect: list[list | None] = [None] * len(self.addresses)
+        self.retries = 0  # calls that needed more than one attempt
     @property
     def num_ps(self) -> int:
         return len(self.addresses)
@@ -60,8 +96,13 @@ class PSClient:
 
     # -- calls -----------------------------------------------------------------------------
     def _invoke(self, method: str, ps: int, header: dict, tensors: dict) -> tuple[dict, dict]:
-        if method in ("Pull", "PushPull") and self.after_step is not None:
+        if method in ("Pull", "PushPull", "Export") and self.after_step is not None:
             header = {**header, "after_step": self.after_step}
+        if method in ("Push", "PushPull") or (method == "Pull" and header.get("train", True)):
+            with self._seq_lock:  # changes the PS: exactly once, however often it is sent
+                header = {**header, "client": self.id, "seq": next(self._seq)}
+        if method not in ("Register", "Load", "Health") and self.expect[ps] is not None:
+            header = {**header, "expect": self.expect[ps]}
         reply = self._invoke_once(method, ps, header, tensors)
         if method == "Pull" and "rows" in reply[0]:  # an evaluation pull past the PS's reply bound
             return self._pull_rest(ps, header, tensors, reply)
@@ -88,12 +129,33 @@ class PSClient:
         return first[0], {**first[1], **{k: torch.cat(v) for k, v in values.items()}}
 
     def _invoke_once(self, method: str, ps: int, header: dict, tensors: dict) -> tuple[dict, dict]:
-        request = pack(header, tensors)
-        try:
-            reply = self._calls[method][ps](request, timeout=self.deadline_s, metadata=self._metadata)
-        except grpc.RpcError as err:
-            raise PSError(f"PS {ps} at {self.addresses[ps]}: {method} failed: {err.code().name}: "
-                          f"{err.details()}") from None
+        """One call, retried while the PS is unreachable or late (each attempt bounded, backing off)
+        until `deadline_s` has passed since the first; every other failure is raised at once."""
+        request, started, pause = pack(header, tensors), time.monotonic(), 0.1
+        where = f"PS {ps} at {self.addresses[ps]}"
+        while True:
+            left = started + self.deadline_s - time.monotonic()
+            try:
+                reply = self._calls[method][ps](request, timeout=max(0.05, min(self.attempt_s, left)),
+                                                metadata=self._metadata)
+                break
+            except grpc.RpcError as err:
+                code, waited = err.code(), time.monotonic() - started
+                if code == grpc.StatusCode.FAILED_PRECONDITION:
+                    raise PSRolledBack(f"{where}: {err.details()}", ps) from None
+                if code not in RETRIED:
+                    raise PSError(f"{where}: {method} failed: {code.name}: {err.details()}") from None
+                if waited >= self.deadline_s - 0.05:
+                    raise PSError(f"{where}: {method} not answered for {waited:.0f} s (--ps-deadline "
+                                  f"{self.deadline_s:g}): {code.name}: {err.details()}") from None
+                if pause == 0.1:
+                    self.retries += 1
+                    log.warning("%s: %s unanswered (%s), retrying until %s", where, method, code.name,
+                                time.strftime("%H:%M:%S", time.localtime(time.time() + self.deadline_s - waited)))
+            time.sleep(max(0.0, min(pause, started + self.deadline_s - time.monotonic() - 0.05)))
+            pause = min(1.0, pause * 2)
+        if pause > 0.1:
+            log.warning("%s: %s answered again after %.1f s", where, method, time.monotonic() - started)
         self.bytes_sent += len(request)
         self.bytes_received += len(reply)
         self.calls += 1
@@ -103,7 +165,8 @@ class PSClient:
         futures = [self._pool.submit(self._invoke, *job) for job in jobs]
         return [f.result() for f in futures]
 
-    def wait_ready(self, timeout_s: float = 30.0) -> None:
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        timeout_s = self.deadline_s if timeout_s is None else timeout_s
         for ps, channel in enumerate(self.channels):
             try:
                 grpc.channel_ready_future(channel).result(timeout=timeout_s)
@@ -124,7 +187,12 @@ class PSClient:
             tensors = {f"init/{n}": v for n, v in mine.items()}
             tensors.update({f"defaults/{n}": m for n, m in (defaults or {}).items()})
             jobs.append(("Register", ps, {"variables": specs}, tensors))
-        self._fan_out(jobs)
+        for ps, (header, _) in enumerate(self._fan_out(jobs)):
+            self._expect(ps, header)
+
+    def _expect(self, ps: int, header: dict) -> None:
+        if "incarnation" in header:
+            self.expect[ps] = [header["incarnation"], header["generation"]]
 
     def _pull_jobs(self, routing: "_Routing | None", dense: list[str], train: bool,
                    prefix: str = "") -> dict[int, tuple[dict, dict]]:
@@ -245,21 +313,31 @@ class PSClient:
             out[key] = torch.cat(values) if key.startswith("emb/") and values[0].dim() > 0 else values[0]
         return out
 
-    def restore(self, state: dict) -> None:
-        """Load a snapshot into every PS (each keeps its shard: any PS count works)."""
-        self._fan_out([("Load", ps, {}, state) for ps in range(self.num_ps)])
+    def restore(self, state: dict, step: int | None = None) -> None:
+        """Load a snapshot into every PS (each keeps its shard: any PS count works). `step`: the
+        checkpoint's (sync pulls then wait for the steps after it; other workers find it by Health)."""
+        header = {"restore_id": uuid.uuid4().hex, **({} if step is None else {"step": step})}
+        for ps, (reply, _) in enumerate(self._fan_out([("Load", ps, header, state) for ps in range(self.num_ps)])):
+            self._expect(ps, reply)
+        self.restore_id = header["restore_id"]
 
-    def wait_restored(self, timeout_s: float) -> None:
-        """Block until every PS has taken a checkpoint restore (resuming non-chief workers)."""
-        import time
+    restore_id = None  # the last restore this client made or waited for
 
+    def wait_restored(self, timeout_s: float) -> int | None:
+        """Block until every PS has taken the same checkpoint restore, one this client has not seen yet
+        (non-chief workers, after the chief's); returns that checkpoint's step (None: not given)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            if all(h.get("generation", 0) > 0 for h, _ in self._fan_out(
-                    [("Health", ps, {}, {}) for ps in range(self.num_ps)])):
-                return
+            health = [h for h, _ in self._fan_out([("Health", ps, {}, {}) for ps in range(self.num_ps)])]
+            ids = {h.get("restore_id") for h in health}
+            if len(ids) == 1 and None not in ids and self.restore_id not in ids:
+                for ps, h in enumerate(health):
+                    self._expect(ps, h)
+                self.restore_id = ids.pop()
+                return health[0].get("restored_step")
             if time.monotonic() > deadline:
-                raise PSError(f"the PSs were not restored from a checkpoint within {timeout_s:.0f}s")
+                raise PSError(f"the PSs were not restored from a checkpoint within {timeout_s:.0f}s (restores "
+                              f"seen: {[h.get('restore_id') for h in health]}; waiting for the chief's)")
             time.sleep(0.2)
 
     def close(self) -> None:

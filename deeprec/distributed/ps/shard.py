@@ -13,11 +13,13 @@ with the reason, never a crash.
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import logging
 import sys
 import tempfile
 import threading
+import uuid
 
 import grpc
 import torch
@@ -40,51 +42,124 @@ METHODS = ("Register", "Pull", "Push", "PushPull", "Export", "Load", "Health")
 # MAX_MESSAGE (1 GiB): gRPC's default cap is 4 MB, and a batch-4096 pull is larger. A training Pull's
 # reply must fit it; an evaluation Pull's is cut at --max-reply-bytes and the client asks for the rest.
 GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
+# the workers ping every 2 s (PSClient's keepalive, to notice a dead link): allow it; the PS pings too,
+# so the connection of a worker cut off is closed rather than kept for TCP's 15 minutes
+SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.keepalive_permit_without_calls", 1),
+                                 ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+                                 ("grpc.http2.max_ping_strikes", 0), ("grpc.keepalive_time_ms", 10000),
+                                 ("grpc.keepalive_timeout_ms", 5000)]
+REPLAYS = 4  # replies kept per client for its retries (a request is answered, not run, a second time)
+CLIENTS = 256  # clients whose replies are kept (the least recent forgotten)
 
 
 class _DeadlineExceeded(Exception):
     """A sync pull's step was not applied in time: DEADLINE_EXCEEDED."""
 
 
+class _Stale(Exception):
+    """The request expects another incarnation or restore of this PS: FAILED_PRECONDITION."""
+
+
 class PSServicer:
-    """gRPC handlers: decode, validate and run on gRPC threads, one request at a time on the variables."""
+    """gRPC handlers: decode, validate and run on gRPC threads, one request at a time on the variables.
+
+    Exactly-once: a request with (client, seq) is run once; its reply is kept (the last REPLAYS per
+    client) and a retry of it gets that reply. `incarnation` (random per process) and the shard's
+    restore generation answer every Register / Load / Health; a request whose "expect" differs was
+    meant for the PS before a restart or a rollback and is refused (FAILED_PRECONDITION)."""
 
     def __init__(self, state: ShardState, threads: int = 8):
         self.state = state
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.restore_id, self.restored_step = None, None
+        self.replies: collections.OrderedDict[str, collections.OrderedDict] = collections.OrderedDict()
         self.lock = threading.Lock()  # the variables: one request at a time
         self.applied = threading.Condition()
         # sync pulls wait on gRPC threads: at most half of them, so other calls (Health) are always served
         self.waiters = threading.BoundedSemaphore(max(1, threads // 2))
 
     def _wait_applied(self, after, context) -> None:
-        """Sync: a pull of step t waits (bounded) for step t-1's update, on this gRPC thread."""
+        """Sync: a pull of step t waits (bounded) for step t-1's update, on this gRPC thread; a
+        restore (rollback) ends the wait too. It gives up just before the caller's deadline, so
+        the caller's retry never finds this wait still holding its place."""
         after = int_field({"after_step": after}, "after_step", 0, low=0)
         if not self.waiters.acquire(blocking=False):
             raise ResourceExhausted(f"more than {self.waiters._initial_value} calls already wait for a step")
         try:
             remaining = context.time_remaining()
-            timeout = MAX_WAIT_S if remaining is None else min(remaining, MAX_WAIT_S)
+            timeout = MAX_WAIT_S if remaining is None else min(remaining - 0.5, MAX_WAIT_S)
+            generation = self.state.generation
             with self.applied:
-                if not self.applied.wait_for(lambda: self.state.applied_step >= after, timeout=timeout):
+                if not self.applied.wait_for(lambda: self.state.applied_step >= after or
+                                             self.state.generation != generation, timeout=max(0.0, timeout)):
                     raise _DeadlineExceeded(f"step {after} was not applied within {timeout:.0f}s "
                                             "(a sync worker is missing?)")
         finally:
             self.waiters.release()
+
+    def _identity(self) -> dict:
+        return {"incarnation": self.incarnation, "generation": self.state.generation}
+
+    def _check_expect(self, header: dict) -> None:
+        expect = header.get("expect")
+        if expect is None:
+            return
+        if not (isinstance(expect, list) and len(expect) == 2):
+            raise WireError(f"header 'expect' must be [incarnation, generation], got {expect!r}")
+        if expect[0] != self.incarnation:
+            raise _Stale(f"restarted, its rows are gone (incarnation {self.incarnation}; the caller "
+                         f"registered with {expect[0]})")
+        if expect[1] != self.state.generation:
+            raise _Stale(f"rolled back to a checkpoint (restore {self.state.generation}; the caller had seen "
+                         f"{expect[1]})")
+
+    def _replay(self, header: dict) -> tuple[str, int] | None:
+        """(client, seq) of a request that changes the shard, checked; None for the others."""
+        if header.get("client") is None:
+            return None
+        client, seq = header["client"], header.get("seq")
+        if not isinstance(client, str) or isinstance(seq, bool) or not isinstance(seq, int):
+            raise WireError("header 'client' must be a string and 'seq' an int")
+        return client, seq
+
+    def _remember(self, key: tuple[str, int], reply: bytes) -> None:
+        kept = self.replies.setdefault(key[0], collections.OrderedDict())
+        self.replies.move_to_end(key[0])
+        kept[key[1]] = reply
+        while len(kept) > REPLAYS:
+            kept.popitem(last=False)
+        while len(self.replies) > CLIENTS:
+            self.replies.popitem(last=False)
 
     def _call(self, method: str, request: bytes, context) -> bytes:
         try:
             header, tensors = unpack(request)
             if method == "Health":  # answered here, never waits for the shard's lock
                 s = self.state
-                return pack({"shard": s.shard_index, "generation": s.generation, "applied_step": s.applied_step}, {})
+                return pack({"shard": s.shard_index, "applied_step": s.applied_step, "restore_id": self.restore_id,
+                             "restored_step": self.restored_step, **self._identity()}, {})
+            self._check_expect(header)
             if header.get("after_step") is not None:
                 self._wait_applied(header["after_step"], context)
+            replay = self._replay(header)
             with self.lock:
+                self._check_expect(header)  # a restore may have come while this one waited
+                if replay is not None and replay[1] in self.replies.get(replay[0], ()):
+                    return self.replies[replay[0]][replay[1]]  # a retry: answered, not run again
                 reply_header, reply_tensors = self._run(method, header, tensors)
-            if method in ("Push", "PushPull"):
+                if method in ("Register", "Load"):
+                    reply_header = {**reply_header, **self._identity()}
+                if method == "Load":
+                    self._restored(header)
+                reply = pack(reply_header, reply_tensors)
+                if replay is not None:
+                    self._remember(replay, reply)
+            if method in ("Push", "PushPull", "Load"):
                 with self.applied:
                     self.applied.notify_all()
-            return pack(reply_header, reply_tensors)
+            return reply
+        except _Stale as err:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         except ResourceExhausted as err:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"PS {self.state.shard_index}: {err}")
         except WireError as err:
@@ -97,6 +172,16 @@ class PSServicer:
             log.exception("PS %d: %s failed", self.state.shard_index, method)
             context.abort(grpc.StatusCode.INTERNAL, f"PS {self.state.shard_index}: a bug in deeprec: {method} "
                                                     f"raised {type(err).__name__}: {err}")
+
+    def _restored(self, header: dict) -> None:
+        """A checkpoint restore: the other workers find it by its id (Health); sync steps go on after its step."""
+        self.restore_id = header.get("restore_id")
+        step = header.get("step")
+        if step is not None:
+            self.restored_step = int_field(header, "step", 0, low=0)
+            self.state.applied_step = self.restored_step
+        log.warning("PS %d: restored from a checkpoint (step %s, restore %d)", self.state.shard_index, step,
+                    self.state.generation)
 
     def _run(self, method: str, header: dict, tensors: dict):
         s = self.state
@@ -155,7 +240,7 @@ def serve(bind: str, shard_index: int, num_shards: int, threads: int | None = No
     pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="deeprec-ps-grpc",
                                                  initializer=pin_current_thread, initargs=(cores,))
     interceptors = (security.TokenInterceptor(token),) if token else ()
-    server = grpc.server(pool, options=GRPC_OPTIONS, interceptors=interceptors)
+    server = grpc.server(pool, options=SERVER_OPTIONS, interceptors=interceptors)
     state = ShardState(shard_index, num_shards, max_memory=max_memory, max_dim=max_dim, storage=storage,
                        max_reply=max_reply)
     server.add_generic_rpc_handlers((PSServicer(state, threads).handler(),))

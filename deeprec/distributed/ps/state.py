@@ -486,7 +486,7 @@ def _check_count(tensors: dict, key: str) -> int:
 
 
 def _check_fields(header: dict, allowed: tuple, method: str) -> None:
-    unknown = sorted(set(header) - set(allowed) - {"tensors", "after_step"})  # those two: the transport's
+    unknown = sorted(set(header) - set(allowed) - {"tensors", "after_step", "client", "seq", "expect"})  # the transport's
     if unknown:
         raise WireError(f"{method}: unknown header field {unknown[0]!r} (allowed: {', '.join(allowed)})")
 

@@ -59,9 +59,15 @@ class ParameterServer(Strategy):
 
         self.twin = copy.deepcopy(model) if cfg.export.dir and self.is_chief else None  # before the swap
         self.host_tables = []
-        return PSUpdater(model, PSClient(self.ps_addresses, cfg.distributed.protocol), cfg.optimizer.name, cfg.optimizer.lr,
+        return PSUpdater(model, PSClient(self.ps_addresses, cfg.distributed.protocol, cfg.distributed.ps_deadline), cfg.optimizer.name, cfg.optimizer.lr,
                          sync_workers=self.world_size if cfg.distributed.sync else 1, worker_index=self.rank,
                          num_workers=self.world_size, dense=cfg.distributed.dense, master=self.master)
+
+    def recover(self, trainer, err: BaseException) -> bool:
+        """A PS restarted: roll every worker back to the last checkpoint (deeprec.distributed.ps.rollback)."""
+        from deeprec.distributed.ps.rollback import roll_back
+
+        return roll_back(trainer, self, err)
 
     @property
     def run_name(self) -> str:

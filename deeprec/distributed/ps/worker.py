@@ -231,8 +231,23 @@ class PSUpdater:
                 self.allreduce = DenseAllReduce(dense_params, bucket_bytes=None, overlap=False, drain=True,
                                                 advice=ALLREDUCE_ADVICE)
         client.wait_ready()
-        client.register(embeddings, {} if dense == "allreduce" else {n: p.detach() for n, p in self.dense.items()},
-                        optimizer, lr, defaults)
+        self._registration = (embeddings, {} if dense == "allreduce" else {n: p.detach() for n, p in self.dense.items()},
+                              optimizer, lr, defaults)
+        client.register(*self._registration)
+
+    def reregister(self) -> None:
+        """Register again (a restarted PS has no variables; the others keep theirs)."""
+        self.client.register(*self._registration)
+
+    def reset(self) -> None:
+        """Drop what this worker holds of the step in flight (gradients, a held push, prefetched rows):
+        training goes back to a checkpoint."""
+        self.deferred.take()
+        for remote in self.remotes:
+            remote.take_gradients()
+            remote.discard_prefetched()
+        for p in self.dense.values():
+            p.grad = None
 
     # -- the step ------------------------------------------------------------------------
     def before_step(self) -> None:
@@ -308,6 +323,8 @@ class PSUpdater:
         """The worker's dense model (its replica, or the PSs' values pulled) under "model", as a
         one-process checkpoint holds it (deeprec.distributed.ps.strategy.one_process_state merges the
         PSs' rows into it: evaluate and export read PS checkpoints); the chief adds every PS's rows."""
+        if self.client.sync_workers > 1:  # sync: the snapshot holds this step's averaged update
+            self.client.after_step = self.step
         self._flush()
         self.pull_dense()
         state = {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()}}
@@ -318,7 +335,8 @@ class PSUpdater:
             state["ps"] = self.client.snapshot()  # every PS's rows with their slots
         return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, wait: bool = True) -> None:
+        """`wait` (non-chief workers): for the chief's restore of the PSs (a rollback has waited already)."""
         buffers = dict(self.model.named_buffers())
         with torch.no_grad():  # running statistics (batch norm) live only in the workers' checkpoints
             for name, value in state.get("model", {}).items():
@@ -330,6 +348,6 @@ class PSUpdater:
                     p.copy_(state["dense"][name])
             self.optimizer.load_state_dict(state["dense_optimizer"])
         if self.is_chief:
-            self.client.restore(state["ps"])  # onto however many PSs run now
-        else:
+            self.client.restore(state["ps"], int(state["step"]))  # onto however many PSs run now
+        elif wait:
             self.client.wait_restored(self.client.deadline_s)
