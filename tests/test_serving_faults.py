@@ -28,7 +28,7 @@ import pytest
 PY = sys.executable
 PS_PORT, SERVE_PORT = 7100, 8500
 ROWS = 5000  # synthetic rows (small cardinalities)
-DELTA_EVERY = 2
+DELTA_EVERY = 4
 WATCH_INTERVAL_S = 0.2
 CRITEO = ["label", *(f"I{i}" for i in range(1, 14)), *(f"C{i}" for i in range(1, 27))]
 
