@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import sys
 import threading
 import time
@@ -50,6 +51,16 @@ _PEER_FAILURES = ("timed out", "timeout", "connection closed", "connection reset
 def _peer_failure(err: BaseException) -> bool:
     text = str(err).lower()
     return any(word in text for word in _PEER_FAILURES) or isinstance(err, dist.DistBackendError)
+
+
+def _next_step() -> str:
+    """What happens after this rank gives up: an elastic agent's restart, or the user's --resume."""
+    from deeprec.distributed.collective.elastic import max_restarts, restart_count
+
+    left = max_restarts() - restart_count()
+    if left > 0:
+        return f"the agent restarts every rank from the last checkpoint ({left} of --max-restarts {max_restarts()} left)"
+    return "restart the job with --resume"
 
 
 class CollectiveTimeout(DeepRecError):
@@ -111,6 +122,9 @@ class Deadline:
 
         def probe() -> None:
             try:
+                # a cut link (no answer, no refusal): one bounded connect says so, without the store
+                # client's C++ error and stack trace in the log
+                socket.create_connection(self.master, timeout=STORE_TIMEOUT_S).close()
                 store = self._client()
                 first = {r: store.get(f"{_PREFIX}{r}") for r in others}
                 time.sleep(2.5 * HEARTBEAT_S)
@@ -138,7 +152,7 @@ class Deadline:
             reason = f": {' '.join(str(cause).split()).rstrip('.')}" if cause is not None else ""
             head = (f"collective training: {what} did not complete on rank {self.rank} within "
                     f"--collective-timeout {seconds} s{reason}")
-        return head + ". Every rank must run: restart the job with --resume"
+        return head + f". Every rank must run: {_next_step()}"
 
     # watchdog
     def _watch(self) -> None:
