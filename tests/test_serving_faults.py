@@ -182,7 +182,9 @@ def test_serving_answers_through_a_cut_trainer_and_follows_it_after(cluster, tmp
         rig.trainer.cut()
         cut_at = time.monotonic()
         time.sleep(1.0)  # a delta being written as the link went down is finished (the disk is local)
-        stalled, served = rig.deltas()[-1], rig.metrics()
+        stalled = rig.deltas()[-1]
+        wait_until(lambda: rig.metrics()["deeprec_model_step"] == stalled, 10, f"serving at delta {stalled}")
+        settled_at, served = time.monotonic(), rig.metrics()
         time.sleep(5.0)
         assert rig.deltas()[-1] == stalled, "training went on without its PS"
         assert training.returncode is None, training.output()[-2000:]
@@ -199,7 +201,7 @@ def test_serving_answers_through_a_cut_trainer_and_follows_it_after(cluster, tmp
     assert len(during) >= 20, f"only {len(during)} requests during the cut"
     failed = [r for r in client.records if not r[2]]
     assert not failed, f"{len(failed)} of {len(client.records)} requests failed: {failed[:3]}"
-    assert {r[3] for r in during} == {int(served["deeprec_model_step"])}  # the last model, all along
+    assert {r[3] for r in client.between(settled_at, restored_at)} == {stalled}  # the last model, all along
     assert client.last_step() > served["deeprec_model_step"]
     after = rig.metrics()
     assert after["deeprec_model_updates_total"] > served["deeprec_model_updates_total"]
