@@ -21,7 +21,7 @@ def _job(cluster, tmp_path, name: str, workers: int, steps: int, cut: int | None
     """A job of one PS host and `workers` worker hosts; `cut`: the worker whose link goes down for
     CUT_S seconds once it has done 100 steps. Returns (final checkpoint, worker Procs)."""
     data, ckpt = write_data(tmp_path), str(tmp_path / name)
-    ps = start_ps(cluster.host(f"{name}-ps"), 0, 1)
+    ps = start_ps(cluster.host(f"{name}-ps"), 0, 1, name=f"{name}-ps")
     hosts = [cluster.host(f"{name}-w{i}") for i in range(workers)]
     args = ["--data", data, "--steps", str(steps), "--checkpoint-dir", ckpt, "--ps-deadline", "60", *extra]
     procs = [start_worker(h, [ps.host], i, workers, args, name=f"{name}-worker{i}") for i, h in enumerate(hosts)]

@@ -71,11 +71,11 @@ class PSClient:
         self._metadata = security.call_metadata(read_token())  # DEEPREC_PS_TOKEN
         self._calls = {m: [ch.unary_unary(f"/{SERVICE}/{m}") for ch in self.channels]
                        for m in ("Register", "Pull", "Push", "PushPull", "Export", "Load", "Health")}
-        # NETWORK_WORKER_CORE_NUMBER threads encode and decode; the pool has at least one
-        # per PS so that star_server's fused calls reach every PS at once
+        # NETWORK_WORKER_CORE_NUMBER threads encode and decode; the pool has at least two per PS so
+        # that star_server's fused calls reach every PS at once, even beside an abandoned call's attempt
         threads = threads or core_number("NETWORK_WORKER_CORE_NUMBER", len(addresses), 2)
         cores = pin_cores("WORKER", threads)  # WORKER_DISABLE_PIN_CORES=False
-        self._pool = concurrent.futures.ThreadPoolExecutor(max(threads, len(addresses)),
+        self._pool = concurrent.futures.ThreadPoolExecutor(max(threads, 2 * len(addresses)),
                                                            thread_name_prefix="deeprec-ps-client",
                                                            initializer=pin_current_thread, initargs=(cores,))
         self.dims: dict[str, int] = {}
@@ -95,7 +95,8 @@ class PSClient:
         return zlib.crc32(name.encode()) % self.num_ps
 
     # -- calls -----------------------------------------------------------------------------
-    def _invoke(self, method: str, ps: int, header: dict, tensors: dict) -> tuple[dict, dict]:
+    def _invoke(self, method: str, ps: int, header: dict, tensors: dict,
+                abandon: threading.Event | None = None) -> tuple[dict, dict]:
         if method in ("Pull", "PushPull", "Export") and self.after_step is not None:
             header = {**header, "after_step": self.after_step}
         if method in ("Push", "PushPull") or (method == "Pull" and header.get("train", True)):
@@ -103,7 +104,7 @@ class PSClient:
                 header = {**header, "client": self.id, "seq": next(self._seq)}
         if method not in ("Register", "Load", "Health") and self.expect[ps] is not None:
             header = {**header, "expect": self.expect[ps]}
-        reply = self._invoke_once(method, ps, header, tensors)
+        reply = self._invoke_once(method, ps, header, tensors, abandon)
         if method == "Pull" and "rows" in reply[0]:  # an evaluation pull past the PS's reply bound
             return self._pull_rest(ps, header, tensors, reply)
         return reply
@@ -128,9 +129,11 @@ class PSClient:
             done += window
         return first[0], {**first[1], **{k: torch.cat(v) for k, v in values.items()}}
 
-    def _invoke_once(self, method: str, ps: int, header: dict, tensors: dict) -> tuple[dict, dict]:
+    def _invoke_once(self, method: str, ps: int, header: dict, tensors: dict,
+                     abandon: threading.Event | None = None) -> tuple[dict, dict]:
         """One call, retried while the PS is unreachable or late (each attempt bounded, backing off)
-        until `deadline_s` has passed since the first; every other failure is raised at once."""
+        until `deadline_s` has passed since the first, or `abandon` is set (another PS of the same
+        fan-out failed); every other failure is raised at once."""
         request, started, pause = pack(header, tensors), time.monotonic(), 0.1
         where = f"PS {ps} at {self.addresses[ps]}"
         while True:
@@ -145,6 +148,8 @@ class PSClient:
                     raise PSRolledBack(f"{where}: {err.details()}", ps) from None
                 if code not in RETRIED:
                     raise PSError(f"{where}: {method} failed: {code.name}: {err.details()}") from None
+                if abandon is not None and abandon.is_set():
+                    raise PSError(f"{where}: {method} abandoned: another PS of the same call failed") from None
                 if waited >= self.deadline_s - 0.05:
                     raise PSError(f"{where}: {method} not answered for {waited:.0f} s (--ps-deadline "
                                   f"{self.deadline_s:g}): {code.name}: {err.details()}") from None
@@ -162,7 +167,15 @@ class PSClient:
         return unpack(reply)
 
     def _fan_out(self, jobs: list[tuple[str, int, dict, dict]]) -> list[tuple[dict, dict]]:
-        futures = [self._pool.submit(self._invoke, *job) for job in jobs]
+        """The calls, concurrently; the first failure is raised at once (a restarted PS must not wait
+        behind a sync pull that another PS holds for a step that will never come), the others' retries end."""
+        abandon = threading.Event()
+        futures = [self._pool.submit(self._invoke, *job, abandon) for job in jobs]
+        done, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+        failed = [f.exception() for f in futures if f in done and f.exception() is not None]
+        if failed:
+            abandon.set()
+            raise next((e for e in failed if isinstance(e, PSRolledBack)), failed[0])
         return [f.result() for f in futures]
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
