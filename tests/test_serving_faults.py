@@ -214,10 +214,9 @@ def test_serving_never_applies_a_torn_export_and_follows_the_resumed_training(cl
 
     import deeprec as dr
 
-    steps = 400
     rig = Rig(cluster, tmp_path)
     rig.start_ps()
-    training = rig.train(steps=steps)
+    training = rig.train(steps=100_000)  # killed long before; the resumed runs end at `steps`
     server = rig.start_serving()
     rows = rig.rows()
     client = Client(rig, rows)
@@ -227,6 +226,7 @@ def test_serving_never_applies_a_torn_export_and_follows_the_resumed_training(cl
         # 1. inside a delta's write: stopped with its temporary file half there, then killed
         torn = stop_inside(training, rig.export_dir, ".delta-", 30)
         complete = rig.deltas()[-1]
+        steps = complete + 40 * DELTA_EVERY
         time.sleep(8 * WATCH_INTERVAL_S)  # serving looks several times at the folder with the torn file in it
         wait_until(lambda: rig.metrics()["deeprec_model_step"] == complete, 10, f"serving at delta {complete}")
         training.kill()
