@@ -42,6 +42,30 @@ def _first(proc, pattern: str, timeout: float) -> tuple[float, re.Match]:
     raise RuntimeError(f"{proc.name}: no {pattern!r}:\n{proc.output()[-3000:]}")
 
 
+class _Watch:
+    """The time `pattern` first shows in a process's output, watched from a thread (while the
+    bench does something else, e.g. waits for a restarted PS to listen)."""
+
+    def __init__(self, proc, pattern: str, timeout: float):
+        import threading
+
+        self.at, self.match = None, None
+        self._thread = threading.Thread(target=self._run, args=(proc, pattern, timeout), daemon=True)
+        self._thread.start()
+
+    def _run(self, proc, pattern, timeout):
+        try:
+            self.at, self.match = _first(proc, pattern, timeout)
+        except RuntimeError:
+            pass
+
+    def result(self, timeout: float) -> tuple[float, re.Match]:
+        self._thread.join(timeout)
+        if self.at is None:
+            raise RuntimeError(f"not seen: {self._thread.name}")
+        return self.at, self.match
+
+
 def rows_lost(got: dict, reference: dict) -> int:
     """Embedding rows of `reference` that `got` lacks or holds with other values (slots included)."""
     import torch
@@ -107,11 +131,12 @@ def _ps_restart(cluster, workdir: str) -> dict:
     while not os.path.exists(manifest) and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(2.0)
+    watch = _Watch(worker, r"PS 1 at [\d.:]+: \w+ unanswered|PS 1 at [\d.:]+: restarted", 120)
     ps[1].kill()
     killed = time.monotonic()
     again = start_ps(ps[1].host, 1, 2, name="r-ps1-again")
     listening = time.monotonic()
-    detected, _ = _first(worker, r"PS 1 at [\d.:]+: \w+ unanswered|PS 1 at [\d.:]+: restarted", 120)
+    detected, _ = watch.result(130)
     recovered, match = _first(worker, r"rolled back to the checkpoint of step (\d+) \((?:steps (\d+)-(\d+)|no step)", 120)
     _wait_all([worker])
     got = final_state(ckpt)

@@ -4,7 +4,6 @@ Within --ps-deadline the worker retries and goes on, each update applied exactly
 final PS state equals an uninterrupted run's, exactly (async and sync). Past the deadline the
 worker exits with an error naming the PS and the time it waited. Hosts: tests/cluster.py.
 """
-import os
 import re
 import time
 

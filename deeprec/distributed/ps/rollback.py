@@ -51,7 +51,7 @@ def roll_back(trainer, strategy, err: BaseException) -> bool:
         step = client.wait_restored(client.deadline_s)
         path, state = _own_checkpoint(strategy.checkpoint_dir(cfg.checkpoint.dir), step, err)
     step = int(state["step"])
-    count = last[1] + 1 if last is not None and last[0] == step and failed_at <= step + 1 else 1
+    count = last[1] + 1 if last is not None and last[0] == step and failed_at <= step else 1
     if count > MAX_ROLLBACKS:
         raise PSError(f"{err}; rolled back to step {step} {MAX_ROLLBACKS} times in a row without getting "
                       "past it: giving up") from None
@@ -64,7 +64,6 @@ def roll_back(trainer, strategy, err: BaseException) -> bool:
     redone = f"steps {step + 1}-{failed_at} redone" if failed_at > step else "no step redone"
     message = f"{err}: rolled back to the checkpoint of step {step} ({redone}; {os.path.basename(path)})"
     log.warning("%s", message)
-    trainer.console.print(message, highlight=False, markup=False)
     return True
 
 
