@@ -256,6 +256,7 @@ def test_serving_never_applies_a_torn_export_and_follows_the_resumed_training(cl
     assert not failed, f"{len(failed)} of {len(client.records)} requests failed: {failed[:3]}"
     assert rig.metrics().get("deeprec_model_updates_refused_total", 0) == 0, server.output()[-3000:]
     assert resumed <= complete
+    assert not [n for n in os.listdir(rig.export_dir) if n.startswith(".")]  # the killed writes' leftovers swept
     steps_seen = [r[3] for r in client.records]
     assert steps_seen[-1] == steps
     # the scores served at the end are those of the training's final export (its full export + deltas)

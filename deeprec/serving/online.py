@@ -16,8 +16,10 @@ Keys evicted from a training EmbeddingVariable stay in the served index until th
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import logging
 import os
 import re
 import shutil
@@ -29,8 +31,25 @@ from deeprec.atomic import sha256_file, write_with_manifest
 from deeprec.serving.export import FORMAT, export
 from deeprec.serving.frozen import merged
 
+log = logging.getLogger("deeprec.serving")
 _FULL = re.compile(r"^full-(\d+)$")
 _DELTA = re.compile(r"^delta-(\d+)\.json$")
+_STALE = re.compile(r"^(\.delta-\d+\.(json|safetensors)-.*\.tmp|\.export-.*|full-\d+\.old-\d+)$")
+
+
+def remove_stale_temporaries(directory: str) -> list[str]:
+    """What a killed writer left in an export dir (a delta's temporary file, a full export's staging
+    folder, an older full export set aside): serving never reads those names; a new writer (the one
+    writer of the folder, before it writes) removes them."""
+    stale = [os.path.join(directory, n) for n in os.listdir(directory) if _STALE.match(n)]
+    for path in stale:
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        log.warning("removed %s, left by an interrupted export", path)
+    return stale
 
 
 def _variables(model: torch.nn.Module) -> dict:
@@ -49,6 +68,8 @@ class ExportWriter:
         self.last_step: int | None = None
         self._marks: dict[str, int] = {}  # EmbeddingVariable -> its global_step at the last export
         os.makedirs(directory, exist_ok=True)
+        remove_stale_temporaries(directory)
+
 
     def _mark(self) -> None:
         self._marks = {name: ev.global_step for name, ev in _variables(self.model).items()}
