@@ -59,7 +59,8 @@ def _next_step() -> str:
 
     left = max_restarts() - restart_count()
     if left > 0:
-        return f"the agent restarts every rank from the last checkpoint ({left} of --max-restarts {max_restarts()} left)"
+        return f"the agent restarts every rank from the last checkpoint ({left} of --max-restarts " \
+               f"{max_restarts()} left)"
     return "restart the job with --resume"
 
 
@@ -75,6 +76,7 @@ class Deadline:
         self.master = (master_addr, int(master_port))
         self.pending: tuple[str, float] | None = None  # (what, monotonic start) of the collective in flight
         self.exit_by: float | None = None  # a collective failed: the process ends by then, whatever hangs
+        self.steps_done: int | None = None  # steps this rank completed (Collective.agree sets it each step)
         self._stop = threading.Event()
         self._store = None
         self._watchdog = threading.Thread(target=self._watch, name="deeprec-collective-watchdog", daemon=True)
@@ -146,8 +148,9 @@ class Deadline:
         if silent:
             who = ("rank " if len(silent) == 1 else "ranks ") + ", ".join(str(r) for r in silent)
             after = f" after {waited:.0f} s" if waited is not None else ""
+            step = f" of step {self.steps_done + 1}" if self.steps_done is not None else ""
             head = (f"collective training: {who} stopped answering (stopped, killed or cut off); "
-                    f"rank {self.rank} gave up on {what}{after} (--collective-timeout {seconds} s)")
+                    f"rank {self.rank} gave up on {what}{step}{after} (--collective-timeout {seconds} s)")
         else:
             reason = f": {' '.join(str(cause).split()).rstrip('.')}" if cause is not None else ""
             head = (f"collective training: {what} did not complete on rank {self.rank} within "

@@ -72,7 +72,7 @@ class Collective(Strategy):
         updater = CollectiveUpdater(model, cfg.optimizer.name, cfg.optimizer.lr, self.rank, self.world_size, device,
                                     overlap=cfg.optimize.micro_batch_num == 1,  # micro-batches: after the last
                                     timeout_s=cfg.distributed.collective_timeout)
-        self.host_tables = updater.host_tables
+        self.host_tables, self._updater = updater.host_tables, updater
         import torch.distributed as dist
 
         from deeprec.distributed.collective.deadline import guard, timeout
@@ -87,11 +87,13 @@ class Collective(Strategy):
         of its own (tens of microseconds on the host; never a device synchronization)."""
         import torch.distributed as dist
 
-        from deeprec.distributed.collective.deadline import guard
+        from deeprec.distributed.collective.deadline import current, guard
 
         flag = torch.tensor([int(stop)])
         with guard("the stop agreement"):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._stop_group)
+        if current() is not None:  # an error names the step it gave up in
+            current().steps_done = self._updater.step
         return bool(flag.item())
 
     def train_shards(self) -> dict:
