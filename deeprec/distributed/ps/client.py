@@ -87,6 +87,7 @@ class PSClient:
         # a PS that restarted or was restored since answers FAILED_PRECONDITION (PSRolledBack)
         self.expect: list[list | None] = [None] * len(self.addresses)
         self.retries = 0  # calls that needed more than one attempt
+        self._local = threading.local()
     @property
     def num_ps(self) -> int:
         return len(self.addresses)
@@ -97,6 +98,7 @@ class PSClient:
     # -- calls -----------------------------------------------------------------------------
     def _invoke(self, method: str, ps: int, header: dict, tensors: dict,
                 abandon: threading.Event | None = None) -> tuple[dict, dict]:
+        self._local.abandon = abandon  # read by _invoke_once's retries (its signature stays 4 arguments)
         if method in ("Pull", "PushPull", "Export") and self.after_step is not None:
             header = {**header, "after_step": self.after_step}
         if method in ("Push", "PushPull") or (method == "Pull" and header.get("train", True)):
@@ -104,7 +106,7 @@ class PSClient:
                 header = {**header, "client": self.id, "seq": next(self._seq)}
         if method not in ("Register", "Load", "Health") and self.expect[ps] is not None:
             header = {**header, "expect": self.expect[ps]}
-        reply = self._invoke_once(method, ps, header, tensors, abandon)
+        reply = self._invoke_once(method, ps, header, tensors)
         if method == "Pull" and "rows" in reply[0]:  # an evaluation pull past the PS's reply bound
             return self._pull_rest(ps, header, tensors, reply)
         return reply
@@ -129,12 +131,14 @@ class PSClient:
             done += window
         return first[0], {**first[1], **{k: torch.cat(v) for k, v in values.items()}}
 
-    def _invoke_once(self, method: str, ps: int, header: dict, tensors: dict,
-                     abandon: threading.Event | None = None) -> tuple[dict, dict]:
+    def _invoke_once(self, method: str, ps: int, header: dict, tensors: dict) -> tuple[dict, dict]:
         """One call, retried while the PS is unreachable or late (each attempt bounded, backing off)
-        until `deadline_s` has passed since the first, or `abandon` is set (another PS of the same
-        fan-out failed); every other failure is raised at once."""
+        until `deadline_s` has passed since the first, or the fan-out is abandoned (another PS of the
+        same call failed); every other failure is raised at once. A waiting sync pull refused because
+        others wait (RESOURCE_EXHAUSTED) is retried too: its own earlier attempt may still hold a place."""
         request, started, pause = pack(header, tensors), time.monotonic(), 0.1
+        abandon = getattr(self._local, "abandon", None)
+        retried = RETRIED + ((grpc.StatusCode.RESOURCE_EXHAUSTED,) if "after_step" in header else ())
         where = f"PS {ps} at {self.addresses[ps]}"
         while True:
             left = started + self.deadline_s - time.monotonic()
@@ -146,7 +150,7 @@ class PSClient:
                 code, waited = err.code(), time.monotonic() - started
                 if code == grpc.StatusCode.FAILED_PRECONDITION:
                     raise PSRolledBack(f"{where}: {err.details()}", ps) from None
-                if code not in RETRIED:
+                if code not in retried:
                     raise PSError(f"{where}: {method} failed: {code.name}: {err.details()}") from None
                 if abandon is not None and abandon.is_set():
                     raise PSError(f"{where}: {method} abandoned: another PS of the same call failed") from None
