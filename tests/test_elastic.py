@@ -137,11 +137,12 @@ def test_launch_max_restarts_says_what_happened_and_ends_with_the_uninterrupted_
 
 
 def test_past_max_restarts_the_job_fails_and_says_restarts_are_exhausted(tmp_path, uninterrupted):
-    """No --checkpoint-dir: the launcher and the ranks warn that a restart starts over; the restarted
-    ranks start from step 0; the second kill is past --max-restarts 1."""
+    """Killed before any checkpoint: the restarted ranks start from step 0 (and say why); the second
+    kill is past --max-restarts 1."""
     _, env = uninterrupted
+    ckpt = tmp_path / "ckpt"
     proc = subprocess.Popen([sys.executable, "-m", "deeprec.cli", "launch", "--workers", "2", "--collective",
-                             "--max-restarts", "1", "--", *TRAIN[:-1], "1000000"],
+                             "--max-restarts", "1", "--", *TRAIN[:-1], "1000000", "--checkpoint-dir", str(ckpt)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     output = _Output(proc.stdout)
     try:
@@ -155,15 +156,43 @@ def test_past_max_restarts_the_job_fails_and_says_restarts_are_exhausted(tmp_pat
             proc.wait(10)
     out = output.text
     assert code != 0, out[-4000:]
-    assert ("[launch] warning: --max-restarts 1 without the worker command's --checkpoint-dir: a restart starts over "
-            "from step 0") in out
-    assert ("restartsareon(TORCHELASTIC_MAX_RESTARTS=1,thisisrestart1)butthereisno--checkpoint-dir:arestartstarts"
-            "overfromstep0") in _flat(out)
-    assert "[launch] restart 1 of 1: rank 1 exited with -9 (SIGKILL); no --checkpoint-dir: every rank starts over " \
-           "from step 0" in out
+    assert f"[launch] restart 1 of 1: rank 1 exited with -9 (SIGKILL); no checkpoint in {ckpt}: every rank starts " \
+           "over from step 0" in out, out[-4000:]
+    assert _flat(out).count(_flat(f"no checkpoint in {ckpt}: starting from step 0 (restart 1, "
+                                  "TORCHELASTIC_RESTART_COUNT)")) == 2, out[-4000:]
     assert "[launch] restarts exhausted (--max-restarts 1): rank 1 exited with -9 (SIGKILL) on restart 1; the job " \
            "failed" in out, out[-3000:]
     assert "[launch] 0/2 workers succeeded" in out
+
+
+def test_without_a_checkpoint_dir_the_launcher_and_the_ranks_warn_that_a_restart_starts_over(tmp_path, monkeypatch,
+                                                                                            capsys):
+    done = subprocess.run([sys.executable, "-m", "deeprec.cli", "launch", "--workers", "1", "--collective",
+                           "--max-restarts", "1", "--", "train", "--data", str(tmp_path / "missing.tsv")],
+                          capture_output=True, text=True, timeout=120, env=_env(tmp_path))
+    out = done.stdout
+    assert done.returncode == 2, out + done.stderr
+    assert ("[launch] warning: --max-restarts 1 without the worker command's --checkpoint-dir: a restart starts over "
+            "from step 0") in out
+    assert "[launch] restart 1 of 1: rank 0 exited with 2; no --checkpoint-dir: every rank starts over from " \
+           "step 0" in out
+    assert "[launch] restarts exhausted (--max-restarts 1): rank 0 exited with 2 on restart 1; the job failed" in out
+    assert out.count("missing.tsv") >= 2  # the rank's own error, each start
+
+    from deeprec.distributed.collective.elastic import resume_reason
+    from deeprec.train_config import TrainConfig
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    assert resume_reason(TrainConfig.create(data=["x.tsv"]), rank=1) is None
+    assert capsys.readouterr().err == (
+        "warning: rank 1: restarts are on (TORCHELASTIC_MAX_RESTARTS=2, this is restart 1) but there is no "
+        "--checkpoint-dir: a restart starts over from step 0; give --checkpoint-dir (and --checkpoint-every) to "
+        "resume from the last checkpoint\n")
+    with_dir = TrainConfig.create(data=["x.tsv"], checkpoint={"dir": str(tmp_path)})
+    assert resume_reason(with_dir, rank=1) == "restart 1, TORCHELASTIC_RESTART_COUNT"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert resume_reason(with_dir, rank=1) is None  # a first start resumes only with --resume
 
 
 def test_max_restarts_needs_a_collective_job():
