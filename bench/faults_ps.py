@@ -132,8 +132,8 @@ def _ps_restart(cluster, workdir: str) -> dict:
         time.sleep(0.05)
     time.sleep(2.0)
     watch = _Watch(worker, r"PS 1 at [\d.:]+: \w+ unanswered|PS 1 at [\d.:]+: restarted", 120)
+    killed = time.monotonic()  # before: the worker may log it while kill() still reaps the PS
     ps[1].kill()
-    killed = time.monotonic()
     again = start_ps(ps[1].host, 1, 2, name="r-ps1-again")
     listening = time.monotonic()
     detected, _ = watch.result(130)
