@@ -7,7 +7,9 @@
 `torchrun --nproc-per-node N -m deeprec train ...` (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE; OMP_NUM_THREADS = cores / workers unless set), and train
 with sharded embeddings (deeprec.distributed.collective.sharded). A rank that fails stops the others
-(they would wait for it in their next collective), as torchrun's agent does.
+(they would wait for it in their next collective), as torchrun's agent does; with --max-restarts N
+the launcher then starts every rank again, up to N times, and each resumes from the worker command's
+--checkpoint-dir (deeprec.distributed.collective.elastic).
 
 Starts the PS shards (each prints its port), then the workers with TF_CONFIG set
 as a Kubernetes TFJob would, and torch.distributed's MASTER_ADDR, MASTER_PORT, RANK and
