@@ -1,21 +1,17 @@
 """Where each row of a PS request goes (PSClient's routing): embedding keys to PS `key % 1000 % num_ps`."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from deeprec.nn.variable import shard_of
 
-if TYPE_CHECKING:
-    from deeprec.distributed.ps.client import PSClient
-
 
 class Routing:
     """Where each row of a request goes: tables ordered by dim (each dim's rows one
-    contiguous span), one fused slice of keys per PS, and back."""
+    contiguous span), one fused slice of keys per PS, and back. `client`: the PSClient (its num_ps and
+    dims; not imported here, which would make the two modules import each other)."""
 
-    def __init__(self, client: "PSClient", keys: dict[str, torch.Tensor], grads: dict | None = None):
+    def __init__(self, client, keys: dict[str, torch.Tensor], grads: dict | None = None):
         self.num_ps = client.num_ps
         self.names = sorted(keys, key=lambda n: client.dims[n])
         sizes = [keys[n].numel() for n in self.names]
