@@ -139,6 +139,7 @@ class Host:
         if len(self.link) > 15:
             raise RuntimeError(f"interface name {self.link!r} is too long")
         _ip("netns", "add", self.netns)
+        cluster.hosts[name] = self  # from here on, close() removes it, even if the rest fails
         _ip("link", "add", self.link, "type", "veth", "peer", "name", inner)
         _ip("link", "set", inner, "netns", self.netns)
         _ip("link", "set", self.link, "master", cluster.bridge, "up")
@@ -188,12 +189,16 @@ class Cluster:
         self.hosts: dict[str, Host] = {}
         self.procs: list[Proc] = []
         _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)  # the test process reaches the hosts here
-        _ip("link", "set", self.bridge, "up")
+        try:
+            _ip("addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)  # the test process reaches the hosts here
+            _ip("link", "set", self.bridge, "up")
+        except RuntimeError:
+            self.close()
+            raise
 
     def host(self, name: str) -> Host:
         if name not in self.hosts:
-            self.hosts[name] = Host(self, name, len(self.hosts))
+            Host(self, name, len(self.hosts))  # adds itself to self.hosts
         return self.hosts[name]
 
     def close(self) -> None:
@@ -205,9 +210,27 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 pass
         for host in self.hosts.values():
+            _kill_inside(host.netns)
+        for host in self.hosts.values():
             _ip("link", "del", host.link, check=False)
             _ip("netns", "del", host.netns, check=False)
         _ip("link", "del", self.bridge, check=False)
+
+
+def _kill_inside(netns: str) -> None:
+    """SIGKILL to every process still in `netns`, by PID: those that left the session the test
+    started (torchrun starts its ranks in sessions of their own) would outlive the namespace's name."""
+    deadline = time.monotonic() + COMMAND_TIMEOUT_S
+    while time.monotonic() < deadline:
+        pids = [int(p) for p in _ip("netns", "pids", netns, check=False).stdout.split() if p.isdigit()]
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
 
 
 @pytest.fixture
@@ -218,6 +241,6 @@ def cluster(tmp_path):
         pytest.skip(reason)
     made = Cluster(tmp_path / "cluster-logs")
     try:
-        yield made
+        yield made  # a host whose setup fails mid-way is in made.hosts already: closed below
     finally:
         made.close()

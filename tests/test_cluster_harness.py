@@ -1,5 +1,6 @@
 """The multi-host harness itself (tests/cluster.py): hosts reach each other by address, a cut link
 drops packets both ways until restored, and everything it made is gone after close."""
+import os
 import subprocess
 import sys
 import time
@@ -56,9 +57,14 @@ def test_close_stops_every_process_and_removes_namespaces_and_links(tmp_path):
     host = made.host("a")
     sleeper = host.run([sys.executable, "-c", "import time; time.sleep(600)"])
     child = host.run(["bash", "-c", "sleep 600 & wait"])  # a grandchild in its group is stopped too
+    host.run(["setsid", "-f", "sleep", "601"])  # a session of its own (as torchrun's ranks): stopped too
     time.sleep(0.5)
+    inside = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True).stdout.split()
+    assert len(inside) >= 4, inside
     made.close()
     assert sleeper.returncode is not None and child.returncode is not None
+    for pid in inside:
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z", pid
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert host.netns not in names
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
