@@ -69,9 +69,11 @@ DIFFERENCES = {
                                   "N(0, 1e-4) init replaced by deeprec's",
     "DeepCTR-Torch 0.3.0 WDL": "one global bias instead of the DNN's; the default "
                                "N(0, 1e-4) init replaced by deeprec's",
-    "DeepCTR-Torch 0.3.0 DIN": "DNN batch norm before the ReLU (deeprec: after); an empty history attends "
-                               "uniformly to padding (deeprec: interest 0); ids shifted by 1 (0 = padding); "
-                               "one global bias; the default N(0, 1e-4) init replaced by deeprec's",
+    "DeepCTR-Torch 0.3.0 DIN": "DNN batch norm before the ReLU (deeprec: after; bench/din_diag.py "
+                               "measures its share); an empty history attends "
+                               "uniformly to padding, so it pools the padding row's embedding (deeprec: a "
+                               "learned vector, the same role); ids shifted by 1 (0 = padding); one global "
+                               "bias; the default N(0, 1e-4) init replaced by deeprec's",
 }
 
 

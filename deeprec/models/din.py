@@ -3,7 +3,7 @@
     query   = embeddings of the target item's columns          [B, E]
     keys    = embeddings of the history, per position           [B, L, E]
     weights = softmax over valid positions of MLP 80-40-1([q, k, q - k, q * k])
-    interest = sum_t weights_t * keys_t
+    interest = sum_t weights_t * keys_t      (an empty history: a learned vector, zero at init)
     logit   = MLP 200-80 (batch norm) over [user, item, interest, dense] -> 1
 
 History columns that `embed_with` an item column share its table, so the query
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from deeprec.data.schema import Schema
-from deeprec.errors import ConfigError
+from deeprec.errors import ConfigError, check_choice
 from deeprec.models.common import MLP
 from deeprec.models.features import FeatureEmbedder, binary_head, label_columns
 
@@ -31,20 +31,27 @@ class DINConfig:
     attention: tuple[int, ...] = (80, 40)
     top: tuple[int, ...] = (200, 80)
     batch_norm: bool = True
+    empty_history: str = "learned"  # learned | zero: the interest of a row without history
     embedding: str = "table"  # table | variable | torch
     label: str | None = None  # default: the schema's first label
 
 
 class AttentionPooling(nn.Module):
-    """DIN's local activation unit: a weighted sum of the keys, weights from the query."""
+    """DIN's local activation unit: a weighted sum of the keys, weights from the query.
 
-    def __init__(self, width: int, hidden: tuple[int, ...]):
+    `learned_empty`: a row without history pools a learned vector (`empty`, zero at init) instead
+    of a fixed zero. A zero interest is what a history unrelated to the target looks like, so the top
+    MLP scores those rows as non-matches; DeepCTR-Torch's DIN (uniform attention over the padding
+    row's embedding) learns such a vector too (bench/din_diag.py measures the difference)."""
+
+    def __init__(self, width: int, hidden: tuple[int, ...], learned_empty: bool = False):
         super().__init__()
         layers, in_dim = [], 4 * width
         for h in hidden:
             layers += [nn.Linear(in_dim, h), nn.Sigmoid()]
             in_dim = h
         self.score = nn.Sequential(*layers, nn.Linear(in_dim, 1))
+        self.empty = nn.Parameter(torch.zeros(width)) if learned_empty else None
 
     def weights(self, query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         q = query.unsqueeze(1).expand_as(keys)
@@ -53,7 +60,15 @@ class AttentionPooling(nn.Module):
         return torch.softmax(scores.float(), dim=1).to(keys.dtype) * mask  # empty history: all zero
 
     def forward(self, query, keys, mask):
-        return (self.weights(query, keys, mask).unsqueeze(-1) * keys).sum(1)
+        interest = (self.weights(query, keys, mask).unsqueeze(-1) * keys).sum(1)
+        if self.empty is None:
+            return interest
+        return torch.where(mask.any(1, keepdim=True), interest, self.empty.to(interest.dtype))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if self.empty is not None and prefix + "empty" not in state_dict:  # saved before `empty`: its zero
+            state_dict[prefix + "empty"] = torch.zeros_like(self.empty)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 class BehaviorInputs(nn.Module):
@@ -105,9 +120,11 @@ class DIN(nn.Module):
         self.config = config = config or DINConfig(**overrides)
         self.schema = schema or BEHAVIOR_SCHEMA
         self.label_columns = label_columns(self.schema, config.label)
+        check_choice("empty_history", config.empty_history, ("learned", "zero"))
         self.inputs = BehaviorInputs(self.schema, config.embedding_dim, config.hash_buckets, config.max_length,
                                      config.embedding)
-        self.attention = AttentionPooling(self.inputs.key_width, config.attention)
+        self.attention = AttentionPooling(self.inputs.key_width, config.attention,
+                                          learned_empty=config.empty_history == "learned")
         self.top = MLP(self.inputs.top_width, config.top, out=1, batch_norm=config.batch_norm)
 
     def forward(self, batch: dict) -> dict:
