@@ -144,6 +144,11 @@ def _merge_delta(module: torch.nn.Module, manifest: dict, tensors: dict, path: s
             rows.append((module.get_submodule(name), tensors.pop(f"{name}.keys"), tensors.pop(f"{name}.values")))
         except (AttributeError, KeyError) as err:
             raise ServingError(f"{path}: variable {name!r} is not in the served model or the delta ({err})") from None
+    for (frozen, keys, values), name in zip(rows, manifest["variables"]):  # a chain merges into one copy:
+        dim = frozen.values.shape[1]  # a row error found while merging would leave it half-changed
+        if keys.dim() != 1 or keys.is_floating_point() or list(values.shape) != [keys.shape[0], dim]:
+            raise ServingError(f"{path}: variable {name!r}: {list(keys.shape)} keys and {list(values.shape)} values, "
+                               f"expected [n] integer keys and [n, {dim}] values")
     known = dict(module.state_dict())
     dense = {k: v for k, v in tensors.items() if k in known}
     wrong = [k for k, v in dense.items() if v.shape != known[k].shape]
