@@ -7,8 +7,9 @@
 Embedding keys go to PS `key % 1000 % num_ps`; dense variables to PS `crc32(name) % num_ps`.
 A PS that does not answer (a partition, a restart) is retried until the total deadline
 (--ps-deadline): each attempt is bounded, keepalive pings notice a dead connection, and every
-training Push / Pull carries (client id, sequence number) so a retry of a request the PS already
-ran gets its first reply instead of running twice (exactly-once). Past the deadline, or on any
+training Push / Pull and every Load carries (client id, sequence number) so a retry of a request the
+PS already ran gets its first reply instead of running twice (exactly-once), and "done" (every
+earlier seq answered) so the PS keeps only the replies of calls in flight. Past the deadline, or on any
 other failure, PSError names the PS; a PS that restarted or was rolled back raises PSRolledBack.
 """
 from __future__ import annotations
@@ -83,6 +84,7 @@ class PSClient:
         self.sync_workers = 1
         self.bytes_sent = self.bytes_received = self.calls = 0
         self.id, self._seq, self._seq_lock = uuid.uuid4().hex, itertools.count(1), threading.Lock()
+        self._waiting: set[int] = set()  # seqs of the calls in flight
         # per PS: [incarnation, generation] it answered at Register / Load; sent with every request,
         # a PS that restarted or was restored since answers FAILED_PRECONDITION (PSRolledBack)
         self.expect: list[list | None] = [None] * len(self.addresses)
@@ -101,12 +103,20 @@ class PSClient:
         self._local.abandon = abandon  # read by _invoke_once's retries (its signature stays 4 arguments)
         if method in ("Pull", "PushPull", "Export") and self.after_step is not None:
             header = {**header, "after_step": self.after_step}
-        if method in ("Push", "PushPull") or (method == "Pull" and header.get("train", True)):
+        seq = None
+        if method in ("Push", "PushPull", "Load") or (method == "Pull" and header.get("train", True)):
             with self._seq_lock:  # changes the PS: exactly once, however often it is sent
-                header = {**header, "client": self.id, "seq": next(self._seq)}
+                seq = next(self._seq)
+                self._waiting.add(seq)  # "done": the seqs below the oldest one in flight (the PS drops their replies)
+                header = {**header, "client": self.id, "seq": seq, "done": min(self._waiting) - 1}
         if method not in ("Register", "Load", "Health") and self.expect[ps] is not None:
             header = {**header, "expect": self.expect[ps]}
-        reply = self._invoke_once(method, ps, header, tensors)
+        try:
+            reply = self._invoke_once(method, ps, header, tensors)
+        finally:
+            if seq is not None:
+                with self._seq_lock:
+                    self._waiting.discard(seq)
         if method == "Pull" and "rows" in reply[0]:  # an evaluation pull past the PS's reply bound
             return self._pull_rest(ps, header, tensors, reply)
         return reply

@@ -48,7 +48,10 @@ SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.keepalive_permit_without_calls", 1),
                                  ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
                                  ("grpc.http2.max_ping_strikes", 0), ("grpc.keepalive_time_ms", 10000),
                                  ("grpc.keepalive_timeout_ms", 5000)]
-REPLAYS = 4  # replies kept per client for its retries (a request is answered, not run, a second time)
+# replies kept per client for its retries (a request is answered, not run, a second time): the client
+# says with each request which of its earlier ones it no longer waits for ("done"), so only the replies
+# of calls still in flight are kept; these caps bound what a client that stops saying so can hold
+REPLAYS = 4
 CLIENTS = 256  # clients whose replies are kept (the least recent forgotten)
 
 
@@ -60,11 +63,24 @@ class _Stale(Exception):
     """The request expects another incarnation or restore of this PS: FAILED_PRECONDITION."""
 
 
+class _Forgotten(Exception):
+    """A retry of a request whose reply is no longer kept: it may have run, so it is not run again: ABORTED."""
+
+
+class _Kept:
+    """One client's replies by seq, and `forgotten`: every seq up to it was answered and its reply dropped."""
+
+    def __init__(self):
+        self.replies: collections.OrderedDict[int, bytes] = collections.OrderedDict()
+        self.forgotten = 0
+
+
 class PSServicer:
     """gRPC handlers: decode, validate and run on gRPC threads, one request at a time on the variables.
 
-    Exactly-once: a request with (client, seq) is run once; its reply is kept (the last REPLAYS per
-    client) and a retry of it gets that reply. `incarnation` (random per process) and the shard's
+    Exactly-once: a request with (client, seq) is run once; its reply is kept until the client says it
+    is done with it (at most the last REPLAYS per client) and a retry of it gets that reply; a retry
+    whose reply was dropped is refused (ABORTED), never run twice. `incarnation` (random per process) and the shard's
     restore generation answer every Register / Load / Health; a request whose "expect" differs was
     meant for the PS before a restart or a rollback and is refused (FAILED_PRECONDITION)."""
 
@@ -72,7 +88,7 @@ class PSServicer:
         self.state = state
         self.incarnation = uuid.uuid4().hex[:12]
         self.restore_id, self.restored_step = None, None
-        self.replies: collections.OrderedDict[str, collections.OrderedDict] = collections.OrderedDict()
+        self.replies: collections.OrderedDict[str, _Kept] = collections.OrderedDict()
         self.lock = threading.Lock()  # the variables: one request at a time
         self.applied = threading.Condition()
         # sync pulls wait on gRPC threads: at most half of them, so other calls (Health) are always served
@@ -113,21 +129,35 @@ class PSServicer:
             raise _Stale(f"rolled back to a checkpoint (restore {self.state.generation}; the caller had seen "
                          f"{expect[1]})")
 
-    def _replay(self, header: dict) -> tuple[str, int] | None:
-        """(client, seq) of a request that changes the shard, checked; None for the others."""
+    def _replay(self, header: dict) -> tuple[str, int, int] | None:
+        """(client, seq, done) of a request that changes the shard, checked; None for the others."""
         if header.get("client") is None:
             return None
-        client, seq = header["client"], header.get("seq")
-        if not isinstance(client, str) or isinstance(seq, bool) or not isinstance(seq, int):
-            raise WireError("header 'client' must be a string and 'seq' an int")
-        return client, seq
+        client, seq, done = header["client"], header.get("seq"), header.get("done", 0)
+        if not isinstance(client, str) or any(isinstance(v, bool) or not isinstance(v, int) for v in (seq, done)):
+            raise WireError("header 'client' must be a string, 'seq' and 'done' ints")
+        return client, seq, done
 
-    def _remember(self, key: tuple[str, int], reply: bytes) -> None:
-        kept = self.replies.setdefault(key[0], collections.OrderedDict())
-        self.replies.move_to_end(key[0])
-        kept[key[1]] = reply
-        while len(kept) > REPLAYS:
-            kept.popitem(last=False)
+    def _replayed(self, key: tuple[str, int, int]) -> bytes | None:
+        """The kept reply of a retry, None for a request not seen yet (under the lock)."""
+        client, seq, done = key
+        kept = self.replies.setdefault(client, _Kept())
+        self.replies.move_to_end(client)
+        while kept.replies and next(iter(kept.replies)) <= done:  # answered: the client no longer retries them
+            kept.replies.popitem(last=False)
+        kept.forgotten = max(kept.forgotten, done)
+        if seq in kept.replies:
+            return kept.replies[seq]
+        if seq <= kept.forgotten:
+            raise _Forgotten(f"request {seq} of client {client[:8]} may have run already and its reply is no longer "
+                             f"kept (the last {REPLAYS} of a client): not run a second time")
+        return None
+
+    def _remember(self, key: tuple[str, int, int], reply: bytes) -> None:
+        kept = self.replies.setdefault(key[0], _Kept())
+        kept.replies[key[1]] = reply
+        while len(kept.replies) > REPLAYS:
+            kept.forgotten = max(kept.forgotten, kept.replies.popitem(last=False)[0])
         while len(self.replies) > CLIENTS:
             self.replies.popitem(last=False)
 
@@ -144,8 +174,9 @@ class PSServicer:
             replay = self._replay(header)
             with self.lock:
                 self._check_expect(header)  # a restore may have come while this one waited
-                if replay is not None and replay[1] in self.replies.get(replay[0], ()):
-                    return self.replies[replay[0]][replay[1]]  # a retry: answered, not run again
+                kept = self._replayed(replay) if replay is not None else None
+                if kept is not None:
+                    return kept  # a retry: answered, not run again
                 reply_header, reply_tensors = self._run(method, header, tensors)
                 if method in ("Register", "Load"):
                     reply_header = {**reply_header, **self._identity()}
@@ -160,6 +191,8 @@ class PSServicer:
             return reply
         except _Stale as err:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        except _Forgotten as err:
+            context.abort(grpc.StatusCode.ABORTED, f"PS {self.state.shard_index}: {err}")
         except ResourceExhausted as err:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"PS {self.state.shard_index}: {err}")
         except WireError as err:

@@ -486,7 +486,8 @@ def _check_count(tensors: dict, key: str) -> int:
 
 
 def _check_fields(header: dict, allowed: tuple, method: str) -> None:
-    unknown = sorted(set(header) - set(allowed) - {"tensors", "after_step", "client", "seq", "expect"})  # the transport's
+    transport = {"tensors", "after_step", "client", "seq", "done", "expect"}  # PSClient's, not the method's
+    unknown = sorted(set(header) - set(allowed) - transport)
     if unknown:
         raise WireError(f"{method}: unknown header field {unknown[0]!r} (allowed: {', '.join(allowed)})")
 
