@@ -95,7 +95,9 @@ def run_and_kill(argv: list[str], env: dict, ckpt, timeout: float = 200) -> tupl
         code = proc.wait(timeout)
         output.thread.join(10)
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None:  # its ranks first: torchrun starts them in sessions of their own
+            for pid in _children_with(proc.pid):
+                os.kill(pid, signal.SIGKILL)
             proc.kill()
             proc.wait(10)
     return code, output.text
