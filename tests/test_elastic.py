@@ -5,6 +5,7 @@ every rank; each resumes from the last checkpoint by itself (TORCHELASTIC_RESTAR
 last restart the job fails and says the restarts are exhausted."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -97,7 +98,8 @@ def run_and_kill(argv: list[str], env: dict, ckpt, timeout: float = 200) -> tupl
     finally:
         if proc.poll() is None:  # its ranks first: torchrun starts them in sessions of their own
             for pid in _children_with(proc.pid):
-                os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):  # it may have ended since
+                    os.kill(pid, signal.SIGKILL)
             proc.kill()
             proc.wait(10)
     return code, output.text
