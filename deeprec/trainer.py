@@ -204,12 +204,16 @@ class Trainer:
             if not same_model(state["model_name"], self.spec):
                 raise ConfigError(f"{path} holds a {state['model_name']!r} model, not {self.spec!r}")
             self.updater.load_state_dict(state)
-        self.train_reader.load_state_dict(found.reader)
-        self._reader_state = found.reader
-        torch.set_rng_state(state["torch_rng"])
-        self.updater.step = int(state["step"])
+        self.go_on_from(found.reader, state)
         self.console.print(f"resumed from {', '.join(os.path.basename(p) for p, _ in found.states)} at step {self.step}"
                            f"{self._why()}")
+
+    def go_on_from(self, reader: dict, state: dict) -> None:
+        """Train on from a checkpoint's place: its reader position, RNG and step (a resume, a rollback)."""
+        self.train_reader.load_state_dict(reader)
+        self._reader_state = reader
+        torch.set_rng_state(state["torch_rng"])
+        self.updater.step = int(state["step"])
 
     def _why(self) -> str:
         return f" ({self.strategy.resume_reason})" if self.strategy.resume_reason else ""

@@ -16,8 +16,6 @@ from __future__ import annotations
 import logging
 import os
 
-import torch
-
 from deeprec.checkpoint import checkpoint_step, list_checkpoints, load_checkpoint
 from deeprec.distributed.ps.client import PSError, PSRolledBack
 
@@ -57,10 +55,7 @@ def roll_back(trainer, strategy, err: BaseException) -> bool:
                       "past it: giving up") from None
     strategy._rollback = (step, count)
     updater.load_state_dict(state, wait=False)  # the chief restores every PS here
-    trainer.train_reader.load_state_dict(state["reader"])
-    trainer._reader_state = state["reader"]
-    torch.set_rng_state(state["torch_rng"])
-    updater.step = step
+    trainer.go_on_from(state["reader"], state)
     redone = f"steps {step + 1}-{failed_at} redone" if failed_at > step else "no step redone"
     message = f"{err}: rolled back to the checkpoint of step {step} ({redone}; {os.path.basename(path)})"
     log.warning("%s", message)
