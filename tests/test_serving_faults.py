@@ -231,6 +231,11 @@ def test_serving_never_applies_a_torn_export_and_follows_the_resumed_training(cl
         wait_until(lambda: rig.metrics()["deeprec_model_step"] == complete, 10, f"serving at delta {complete}")
         training.kill()
         assert (rig.export_dir / torn).exists()  # the torn file stays where serving sees it
+        torn_step = int(re.match(r"\.delta-(\d+)\.", torn).group(1))
+        # the newest checkpoint: at the torn delta's own step when both fall on it (saved before the export)
+        checkpointed = max(int(m.group(1)) for p in rig.checkpoints.iterdir()
+                           if (m := re.match(r"checkpoint-(\d+)\.manifest\.json$", p.name)))
+        assert complete < torn_step and checkpointed <= torn_step, (complete, torn_step, checkpointed)
         time.sleep(4 * WATCH_INTERVAL_S)
         assert rig.metrics()["deeprec_model_step"] == complete
         assert rig.metrics().get("deeprec_model_updates_refused_total", 0) == 0
@@ -255,7 +260,7 @@ def test_serving_never_applies_a_torn_export_and_follows_the_resumed_training(cl
     failed = [r for r in client.records if not r[2]]
     assert not failed, f"{len(failed)} of {len(client.records)} requests failed: {failed[:3]}"
     assert rig.metrics().get("deeprec_model_updates_refused_total", 0) == 0, server.output()[-3000:]
-    assert resumed <= complete
+    assert resumed == checkpointed  # training went on from its newest checkpoint, whatever serving held
     assert not [n for n in os.listdir(rig.export_dir) if n.startswith(".")]  # the killed writes' leftovers swept
     steps_seen = [r[3] for r in client.records]
     assert steps_seen[-1] == steps
