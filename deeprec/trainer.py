@@ -296,9 +296,11 @@ class Trainer:
         steps = self._steps()
         with stop, progress, contextlib.closing(steps), self._runlog_closed_on_error():
             task = progress.add_task("train", total=total, completed=self.step, loss=float("nan"), rate=0.0)
+            resumed = None  # the first step after a recovery from an error in _after_step
             while total is None or self.step < total:
                 with record_function("deeprec.step"):
-                    out, self._reader_state = next(steps, (None, self._reader_state))
+                    out, self._reader_state = resumed or next(steps, (None, self._reader_state))
+                resumed = None
                 if out is None:
                     break
                 if "nonfinite" in out:
@@ -314,7 +316,11 @@ class Trainer:
                     self.console.print(f"step {self.step} loss {losses[-1]:.4f} {rate:,.0f} samples/s")
                 if self.runlog is not None:
                     self._log_step(losses[-1], len(out["logits"]))
-                self._after_step(progress)
+                try:
+                    self._after_step(progress)
+                except Exception as err:  # noqa: BLE001 - e.g. a PS that restarted, seen by a checkpoint's
+                    resumed = self._recover_in_steps(steps, err)  # snapshot: recovered as in a step, or raised
+                    continue
                 if self.strategy.agree(stop.requested):
                     self._stop(stop.signal)
         closing_log = contextlib.closing(self.runlog) if self.runlog is not None else contextlib.nullcontext()
@@ -341,6 +347,16 @@ class Trainer:
             except Exception as err:
                 if not self.strategy.recover(self, err):
                     raise
+
+    def _recover_in_steps(self, steps, err: Exception):
+        """An error of a checkpoint, an export or an evaluation between two steps, handed to the steps
+        (`_steps`) as if their step had raised it: the stage ahead stops, and the strategy recovers
+        (a PS restart: back to the last checkpoint) or the error is raised. Returns the first step
+        after the recovery (None: no more steps)."""
+        try:
+            return steps.throw(err)
+        except StopIteration:
+            return None
 
     @contextlib.contextmanager
     def _runlog_closed_on_error(self):
