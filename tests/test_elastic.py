@@ -85,7 +85,10 @@ def kill_rank(parent: subprocess.Popen, output: _Output, ready, rank: int = 1, r
 
 
 def saved(ckpt, step: int):
-    return lambda: (ckpt / "rank-1-of-2" / f"checkpoint-{step:09d}.manifest.json").exists()
+    """Every rank's checkpoint of `step` written: only then is there a step to resume from (the newest
+    every rank saved). Rank 1's alone is not enough: killed then, rank 1 takes rank 0 with it
+    (deeprec launch kills the other ranks at once) while rank 0 may still be writing its own."""
+    return lambda: all((ckpt / f"rank-{r}-of-2" / f"checkpoint-{step:09d}.manifest.json").exists() for r in range(2))
 
 
 def run_and_kill(argv: list[str], env: dict, ckpt, timeout: float = 200) -> tuple[int, str]:
