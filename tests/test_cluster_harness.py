@@ -49,6 +49,14 @@ def test_hosts_talk_by_address_and_a_cut_drops_packets_until_restored(cluster):
     assert code != 0 and "refused" in out
 
 
+def _gone_or_zombie(pid: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # after the command's name (may hold spaces)
+    except (FileNotFoundError, ProcessLookupError):  # gone, or reaped between two looks
+        return True
+
+
 def test_close_stops_every_process_and_removes_namespaces_and_links(tmp_path):
     reason = unavailable()
     if reason:
@@ -58,13 +66,19 @@ def test_close_stops_every_process_and_removes_namespaces_and_links(tmp_path):
     sleeper = host.run([sys.executable, "-c", "import time; time.sleep(600)"])
     child = host.run(["bash", "-c", "sleep 600 & wait"])  # a grandchild in its group is stopped too
     host.run(["setsid", "-f", "sleep", "601"])  # a session of its own (as torchrun's ranks): stopped too
-    time.sleep(0.5)
-    inside = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True).stdout.split()
-    assert len(inside) >= 4, inside
+    deadline = time.monotonic() + 20  # all four started (bash's child, setsid's): a loaded machine takes its time
+    while True:
+        inside = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True).stdout.split()
+        started = all(subprocess.run(["pgrep", "-f", f"^sleep {n}$"], capture_output=True).stdout.strip()
+                      for n in (600, 601))
+        if (len(inside) >= 4 and started) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert len(inside) >= 4 and started, inside
     made.close()
     assert sleeper.returncode is not None and child.returncode is not None
     for pid in inside:
-        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z", pid
+        assert _gone_or_zombie(pid), pid
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert host.netns not in names
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
