@@ -103,7 +103,8 @@ def _wait(predicate, timeout: float, what: str) -> None:
 
 
 def _saved(ckpt: Path, step: int):
-    return lambda: (ckpt / "rank-1-of-2" / f"checkpoint-{step:09d}.manifest.json").exists()
+    """Every rank's checkpoint of `step` written (a restart resumes from the newest step every rank saved)."""
+    return lambda: all((ckpt / f"rank-{r}-of-2" / f"checkpoint-{step:09d}.manifest.json").exists() for r in range(2))
 
 
 def reference(workdir: Path, env: dict) -> Path:
