@@ -137,6 +137,30 @@ def test_waiting_pulls_are_bounded_and_health_is_always_answered(ps):
     assert codes == ["DEADLINE_EXCEEDED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"], codes
 
 
+def test_a_pull_whose_step_is_applied_takes_no_waiting_place(ps):
+    """Sync, two workers, a PS with 2 gRPC threads (the tests' ps_pool): one waiting place. The fast
+    worker's pull waits for step 2, which needs the slow worker's push of 2; the slow worker's pull of
+    step 2 (after step 1, applied) must be answered at once, not refused for want of a waiting place
+    until the fast one's attempt ends (each refusal retried, the step never done: a 60 s stall)."""
+    _, _, calls = ps("--threads", "2")
+    for step in (1, 1):
+        assert status(calls["Push"], pack({"embeddings": [], "dense": [], "step": step, "workers": 2}))[1] is None
+    results = []
+    fast = threading.Thread(target=lambda: results.append(status(
+        calls["Pull"], pack({"embeddings": [], "after_step": 2}), timeout=10)[1]))
+    fast.start()
+    time.sleep(1.0)  # it waits, holding the waiting place
+    started = time.monotonic()
+    _, err = status(calls["Pull"], pack({"embeddings": [], "after_step": 1}), timeout=5)
+    assert err is None, err.details()
+    assert time.monotonic() - started < 2
+    assert fast.is_alive()  # still waiting for step 2
+    for _ in range(2):
+        assert status(calls["Push"], pack({"embeddings": [], "dense": [], "step": 2, "workers": 2}))[1] is None
+    fast.join(5)
+    assert not fast.is_alive() and results == [None]
+
+
 def free_port() -> int:
     import socket
 

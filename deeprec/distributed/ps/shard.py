@@ -99,15 +99,22 @@ class PSServicer:
         restore (rollback) ends the wait too. It gives up just before the caller's deadline, so
         the caller's retry never finds this wait still holding its place."""
         after = int_field({"after_step": after}, "after_step", 0, low=0)
+        generation = self.state.generation
+
+        def ready() -> bool:
+            return self.state.applied_step >= after or self.state.generation != generation
+
+        # a pull whose step is applied takes no waiting place: the slowest sync worker's pulls never
+        # wait, and refusing them while the faster workers wait for that worker's push stalls the step
+        if ready():
+            return
         if not self.waiters.acquire(blocking=False):
             raise ResourceExhausted(f"more than {self.waiters._initial_value} calls already wait for a step")
         try:
             remaining = context.time_remaining()
             timeout = MAX_WAIT_S if remaining is None else min(remaining - 0.5, MAX_WAIT_S)
-            generation = self.state.generation
             with self.applied:
-                if not self.applied.wait_for(lambda: self.state.applied_step >= after or
-                                             self.state.generation != generation, timeout=max(0.0, timeout)):
+                if not self.applied.wait_for(ready, timeout=max(0.0, timeout)):
                     raise _DeadlineExceeded(f"step {after} was not applied within {timeout:.0f}s "
                                             "(a sync worker is missing?)")
         finally:
