@@ -151,9 +151,15 @@ def p99_ms(records: list[tuple]) -> float | None:
     return round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1000, 2) if latencies else None
 
 
-def stop_inside(proc, folder: Path, prefix: str, timeout: float, tries: int = 20) -> str:
+class WriteEnded(Exception):
+    """stop_inside(once=True): the write ended before the stop landed (it is complete); the process is
+    left stopped."""
+
+
+def stop_inside(proc, folder: Path, prefix: str, timeout: float, tries: int = 20, once: bool = False) -> str:
     """SIGSTOP `proc` while a temporary name starting with `prefix` (what it is writing) exists in
-    `folder`; returns that name. Retried (SIGCONT) when the write ended before the stop."""
+    `folder`; returns that name. Retried (SIGCONT) when the write ended before the stop; `once`: a
+    write that does not come again (a run's first full export): WriteEnded then."""
     for _ in range(tries):
         name = wait_until(lambda: next((n for n in os.listdir(folder) if n.startswith(prefix)), None), timeout,
                           f"{prefix}* being written in {folder}", poll=0.001)
@@ -161,8 +167,14 @@ def stop_inside(proc, folder: Path, prefix: str, timeout: float, tries: int = 20
         time.sleep(0.05)
         if os.path.exists(folder / name):
             return name
+        if once:
+            raise WriteEnded(name)  # left stopped (just past that write) for the caller to kill
         proc.signal(signal.SIGCONT)
     raise AssertionError(f"never stopped {proc.name} inside a write of {prefix}* ({tries} tries)")
+
+
+def _full_exports(folder: Path) -> list[int]:
+    return sorted(int(m.group(1)) for n in os.listdir(folder) if (m := re.match(r"full-(\d+)$", n)))
 
 
 # -- the tests -------------------------------------------------------------------------------------------
@@ -239,12 +251,24 @@ def test_serving_never_applies_a_torn_export_and_follows_the_resumed_training(cl
         time.sleep(4 * WATCH_INTERVAL_S)
         assert rig.metrics()["deeprec_model_step"] == complete
         assert rig.metrics().get("deeprec_model_updates_refused_total", 0) == 0
-        # 2. resumed, and killed inside its first full export's write (staged in .export-*)
-        training = rig.train(steps=steps, resume=True)
-        stop_inside(training, rig.export_dir, ".export-", 120)
+        # 2. resumed, and killed inside its first full export's write (staged in .export-*); a stop
+        # that lands just after that write (it happens once a run) kills the run and resumes again
+        for _ in range(3):
+            training = rig.train(steps=steps, resume=True)
+            try:
+                stop_inside(training, rig.export_dir, ".export-", 120, once=True)
+                break
+            except WriteEnded:
+                training.kill()
+        else:
+            raise AssertionError("never stopped a resumed training inside its full export's write (3 runs)")
         training.kill()
+        # serving holds the newest complete model: the torn export's never; a run's full export that
+        # completed before the stop landed only where it is newer than the deltas served
+        newest = max(complete, _full_exports(rig.export_dir)[-1])
+        wait_until(lambda: rig.metrics()["deeprec_model_step"] == newest, 10, f"serving at step {newest}")
         time.sleep(4 * WATCH_INTERVAL_S)
-        assert rig.metrics()["deeprec_model_step"] == complete
+        assert rig.metrics()["deeprec_model_step"] == newest
         # 3. resumed, and killed between two steps once it writes deltas again
         training = rig.train(steps=steps, resume=True)
         resumed = int(training.wait_for(r"at step (\d+)", 120).group(1))
