@@ -24,6 +24,7 @@ passes errors through.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -78,6 +79,8 @@ class Deadline:
         self.exit_by: float | None = None  # a collective failed: the process ends by then, whatever hangs
         self.steps_done: int | None = None  # steps this rank completed (Collective.agree sets it each step)
         self._stop = threading.Event()
+        self._beat_stop = threading.Event()  # set: the heartbeat stops (at exit: the watchdog goes on)
+        self._heartbeat: threading.Thread | None = None
         self._store = None
         self._watchdog = threading.Thread(target=self._watch, name="deeprec-collective-watchdog", daemon=True)
         self._watchdog.start()
@@ -101,11 +104,22 @@ class Deadline:
         except Exception:  # noqa: BLE001 - no heartbeat: errors name the collective, not the rank
             self._store = None
             return
-        threading.Thread(target=self._beat, name="deeprec-collective-heartbeat", daemon=True).start()
+        self._heartbeat = threading.Thread(target=self._beat, name="deeprec-collective-heartbeat", daemon=True)
+        self._heartbeat.start()
+        atexit.register(self._end_heartbeat)
+
+    def _end_heartbeat(self) -> None:
+        """At exit, before the interpreter finalizes: the heartbeat thread ended and joined. A daemon
+        thread still inside the store's client (C++, the GIL released) when the interpreter finalizes
+        is ended on its way back through a noexcept frame: std::terminate, "terminate called without
+        an active exception", and a rank that finished its run exits with SIGABRT."""
+        self._beat_stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(STORE_TIMEOUT_S + 1)
 
     def _beat(self) -> None:
         count = 0
-        while not self._stop.wait(HEARTBEAT_S):
+        while not self._stop.is_set() and not self._beat_stop.wait(HEARTBEAT_S):
             count += 1
             try:
                 self._store.set(f"{_PREFIX}{self.rank}", str(count))
@@ -174,6 +188,7 @@ class Deadline:
 
     def stop(self) -> None:
         self._stop.set()
+        self._beat_stop.set()
 
 
 _deadline: Deadline | None = None
