@@ -47,7 +47,8 @@ def roll_back(trainer, strategy, err: BaseException) -> bool:
             raise PSError(f"{err}; {path} is an incremental checkpoint: PS jobs roll back to full ones") from None
     else:
         step = client.wait_restored(client.deadline_s)
-        path, state = _own_checkpoint(strategy.checkpoint_dir(cfg.checkpoint.dir), step, err)
+        path, state = _own_checkpoint(strategy.checkpoint_dir(cfg.checkpoint.dir), step, err,
+                                      exact=client.sync_workers > 1)
     step = int(state["step"])
     count = last[1] + 1 if last is not None and last[0] == step and failed_at <= step else 1
     if count > MAX_ROLLBACKS:
@@ -62,9 +63,14 @@ def roll_back(trainer, strategy, err: BaseException) -> bool:
     return True
 
 
-def _own_checkpoint(directory: str, step: int | None, err) -> tuple[str, dict]:
-    """A non-chief worker's checkpoint at the chief's step (else its newest before it)."""
+def _own_checkpoint(directory: str, step: int | None, err, exact: bool) -> tuple[str, dict]:
+    """A non-chief worker's checkpoint at the chief's step; async workers, whose steps are their own,
+    take their newest at or before it. Sync workers all save each checkpoint step: a missing one (its
+    save cut by the restart) is an error, since another step would leave this worker out of step."""
     paths = [p for p in list_checkpoints(directory) if step is None or checkpoint_step(p) <= step]
+    if exact and step is not None and (not paths or checkpoint_step(paths[-1]) != step):
+        raise PSError(f"{err}; the chief restored the PSs to step {step} but {directory} holds no checkpoint of "
+                      f"this sync worker at that step: restart the job with --resume") from None
     if not paths:
         raise PSError(f"{err}; the chief restored the PSs to step {step} but {directory} holds no checkpoint of "
                       "this worker at or before it") from None
