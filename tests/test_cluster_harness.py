@@ -1,13 +1,12 @@
 """The multi-host harness itself (tests/cluster.py): hosts reach each other by address, a cut link
 drops packets both ways until restored, and everything it made is gone after close."""
-import os
 import subprocess
 import sys
 import time
 
 import pytest
 
-from cluster import Cluster, PREFIX, unavailable
+from cluster import Cluster, unavailable
 
 pytestmark = pytest.mark.slow
 
