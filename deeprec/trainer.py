@@ -17,7 +17,6 @@ import logging
 import math
 import os
 import time
-import zlib
 from dataclasses import asdict
 
 import torch
@@ -27,10 +26,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch.profiler import record_function
 
 from deeprec.checkpoint import remove_stale_temporaries, save_checkpoint
-from deeprec.data import open_reader, resolve_schema, schema_to_dict
+from deeprec.data import resolve_schema, schema_to_dict
 from deeprec.data.follow import FollowReader
 from deeprec.data.reader import resolve_paths
-from deeprec.errors import ConfigError, EmptyShardError, NonFiniteError
+from deeprec.errors import ConfigError, NonFiniteError
 from deeprec.metrics import ranking_columns
 from deeprec.models.spec import canonical, is_zoo, load_model, same_model
 from deeprec.nn import EmbeddingVariable, incremental_state_dict
@@ -41,54 +40,12 @@ from deeprec.runtime.device import DeviceBatches, resolve_device
 from deeprec.runtime.memory import tune_malloc
 from deeprec.runtime.signals import Interrupted, StopOnSignals
 from deeprec.runtime.strategy import LocalStrategy, Strategy
+from deeprec.readers import make_readers
 from deeprec.runlog import RunLog
 from deeprec.train_config import TrainConfig
 
 log = logging.getLogger("deeprec.train")
 STEADY_AFTER = 50  # steps: warm-up plus SmartStage auto's calibration (deeprec.runtime.auto_stage)
-
-
-def _holdout_shards(fraction: float) -> tuple[int, list[int], int]:
-    """Split data into n byte-range shards: train on all but the last, evaluate on the last."""
-    n = max(2, round(1.0 / fraction))
-    return n, list(range(n - 1)), n - 1
-
-
-def make_readers(cfg: TrainConfig, schema=None, drop_remainder: bool = False, train_shards: dict | None = None,
-                 eval_shards: dict | None = None):
-    """Training and evaluation readers; `*_shards`: this process's share ({shard_index, num_shards}).
-    drop_remainder: training drops an epoch's short last batch (batch norm cannot train on one row)."""
-    common = dict(seed=cfg.training.seed, on_bad_row=cfg.data.on_bad_row, schema=schema)
-    epochs = None if cfg.training.steps is not None and not cfg.data.follow else (cfg.training.epochs or 1)
-    train_kw = dict(shuffle_buffer=cfg.data.shuffle_buffer, num_epochs=epochs, drop_remainder=drop_remainder, **common,
-                    **(train_shards or {}))
-    eval_kw = dict(num_epochs=1, **common, **(eval_shards or {}))
-    if cfg.data.follow:  # workers see new files at different times: each reads whole files of its own
-        follow_kw = {k: v for k, v in train_kw.items() if k not in ("shard_index", "num_shards")}
-        shard, shards = (train_shards or {}).get("shard_index", 0), (train_shards or {}).get("num_shards", 1)
-
-        def open_files(files):
-            return open_reader(files, cfg.data.batch_size, **follow_kw)
-
-        train = FollowReader(cfg.data.paths, open_files, cfg.data.follow_interval,
-                             owns=lambda path: zlib.crc32(path.encode()) % shards == shard)
-        held_out = open_reader(cfg.data.eval_paths, cfg.data.eval_batch_size, **eval_kw) if cfg.data.eval_paths else None
-        return train, held_out
-    if cfg.data.eval_paths:
-        return open_reader(cfg.data.paths, cfg.data.batch_size, **train_kw), open_reader(cfg.data.eval_paths, cfg.data.eval_batch_size, **eval_kw)
-    if cfg.data.eval_fraction:
-        n, train_shards, eval_shard = _holdout_shards(cfg.data.eval_fraction)
-        train = open_reader(cfg.data.paths, cfg.data.batch_size, num_shards=n, shard_index=train_shards, **train_kw)
-        try:  # checked when built: an empty held-out shard fails now, not after training
-            held_out = open_reader(cfg.data.paths, cfg.data.eval_batch_size, num_shards=n, shard_index=eval_shard, **eval_kw)
-        except EmptyShardError as err:
-            fix = (f"use --eval-fraction >= {1 / err.max_shards:.2g} or --eval-data" if err.max_shards >= 2
-                   else "use --eval-data")
-            raise ConfigError(f"--eval-fraction {cfg.data.eval_fraction} holds out shard {eval_shard + 1} of {n} of "
-                              f"{', '.join(err.paths)}, but the data gives at most {err.max_shards} shard(s) (Parquet: "
-                              f"one per row group; text: byte ranges holding a row): {fix}") from None
-        return train, held_out
-    return open_reader(cfg.data.paths, cfg.data.batch_size, **train_kw), None
 
 
 class Trainer:
@@ -297,7 +254,7 @@ class Trainer:
         with stop, progress, contextlib.closing(steps), self._runlog_closed_on_error():
             task = progress.add_task("train", total=total, completed=self.step, loss=float("nan"), rate=0.0)
             resumed = None  # the first step after a recovery from an error in _after_step
-            while total is None or self.step < total:
+            while resumed is not None or total is None or self.step < total:
                 with record_function("deeprec.step"):
                     out, self._reader_state = resumed or next(steps, (None, self._reader_state))
                 resumed = None
@@ -316,10 +273,13 @@ class Trainer:
                     self.console.print(f"step {self.step} loss {losses[-1]:.4f} {rate:,.0f} samples/s")
                 if self.runlog is not None:
                     self._log_step(losses[-1], len(out["logits"]))
+                failed = None
                 try:
                     self._after_step(progress)
-                except Exception as err:  # noqa: BLE001 - e.g. a PS that restarted, seen by a checkpoint's
-                    resumed = self._recover_in_steps(steps, err)  # snapshot: recovered as in a step, or raised
+                except Exception as err:  # noqa: BLE001 - e.g. a PS restart seen by a checkpoint's snapshot
+                    failed = err
+                if failed is not None:  # recovered outside the handler: the next step's errors are its own
+                    resumed = self._recover_in_steps(steps, failed)
                     continue
                 if self.strategy.agree(stop.requested):
                     self._stop(stop.signal)
@@ -347,12 +307,15 @@ class Trainer:
             except Exception as err:
                 if not self.strategy.recover(self, err):
                     raise
+            if self.cfg.training.steps is not None and self.step >= self.cfg.training.steps:
+                return  # restored to the last step (its export or evaluation failed): nothing left to train
 
     def _recover_in_steps(self, steps, err: Exception):
         """An error of a checkpoint, an export or an evaluation between two steps, handed to the steps
         (`_steps`) as if their step had raised it: the stage ahead stops, and the strategy recovers
         (a PS restart: back to the last checkpoint) or the error is raised. Returns the first step
-        after the recovery (None: no more steps)."""
+        after the recovery (None: no more steps). Restored to the failed step itself, that step's
+        remaining export or evaluation is not redone: the next one covers it."""
         try:
             return steps.throw(err)
         except StopIteration:

@@ -73,18 +73,3 @@ def test_a_restarted_ps_without_a_checkpoint_dir_is_a_clear_error(cluster, tmp_p
     assert re.search(rf"PS 0 at {re.escape(ps.host.address)}:\d+: restarted, its rows are gone .*there is no "
                      r"checkpoint to roll back to: train with --checkpoint-dir", flat), flat[-3000:]
 
-
-def test_a_sync_worker_without_the_chiefs_checkpoint_step_is_a_clear_error(tmp_path):
-    """A non-chief worker's own checkpoint at the chief's restored step: async workers (steps of their own)
-    take their newest at or before it; a sync worker whose save of that step was cut must not go on from
-    another step (it would push for a step the others passed)."""
-    from deeprec.checkpoint import save_checkpoint
-    from deeprec.distributed.ps.client import PSError
-    from deeprec.distributed.ps.rollback import _own_checkpoint
-
-    for step in (100, 200):
-        save_checkpoint(str(tmp_path), step, {"step": step})
-    assert _own_checkpoint(str(tmp_path), 200, "PS 1 restarted", exact=True)[1]["step"] == 200
-    assert _own_checkpoint(str(tmp_path), 250, "PS 1 restarted", exact=False)[1]["step"] == 200
-    with pytest.raises(PSError, match=r"PS 1 restarted; .* no checkpoint of this sync worker at that step"):
-        _own_checkpoint(str(tmp_path), 250, "PS 1 restarted", exact=True)

@@ -312,3 +312,20 @@ def test_an_unanswered_call_is_retried_until_the_deadline_then_names_the_ps():
     assert f"PS 0 at {address}: Register not answered for" in str(caught.value)
     assert "(--ps-deadline 2.5)" in str(caught.value)
     client.close()
+
+
+def test_a_sync_worker_without_the_chiefs_checkpoint_step_is_a_clear_error(tmp_path):
+    """A non-chief worker's own checkpoint at the chief's restored step: async workers (steps of their own)
+    take their newest at or before it; a sync worker whose save of that step was cut must not go on from
+    another step (it would push for a step the others passed)."""
+    from deeprec.checkpoint import save_checkpoint
+    from deeprec.distributed.ps.client import PSError
+    from deeprec.distributed.ps.rollback import _own_checkpoint
+
+    for step in (100, 200):
+        save_checkpoint(str(tmp_path), step, {"step": step})
+    assert _own_checkpoint(str(tmp_path), 200, "PS 1 restarted", exact=True)[1]["step"] == 200
+    assert _own_checkpoint(str(tmp_path), 250, "PS 1 restarted", exact=False)[1]["step"] == 200
+    with pytest.raises(PSError, match=r"PS 1 restarted; the chief restored the PSs to step 250, but its newest "
+                                      r"checkpoint is of step 200: sync workers go on from one step"):
+        _own_checkpoint(str(tmp_path), 250, "PS 1 restarted", exact=True)

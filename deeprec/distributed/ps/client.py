@@ -60,6 +60,14 @@ class PSRolledBack(PSError):
         self.ps = ps
 
 
+def out_of_step(restored: int, own: int | None) -> str:
+    """A sync worker whose newest checkpoint is not of the step the chief restored the PSs to (its save
+    of that step was cut): going on from another step would leave it out of step with the others."""
+    has = f"its newest checkpoint is of step {own}" if own is not None else "it has no checkpoint"
+    return (f"the chief restored the PSs to step {restored}, but {has}: sync workers go on from one step; "
+            f"remove the chief's checkpoints after the newest step every worker saved, then --resume")
+
+
 class PSClient:
     def __init__(self, addresses: list[str], protocol: str = "star_server", deadline_s: float = 60.0,
                  threads: int | None = None, attempt_s: float | None = None):

@@ -17,7 +17,7 @@ import logging
 import os
 
 from deeprec.checkpoint import checkpoint_step, list_checkpoints, load_checkpoint
-from deeprec.distributed.ps.client import PSError, PSRolledBack
+from deeprec.distributed.ps.client import PSError, PSRolledBack, out_of_step
 
 log = logging.getLogger("deeprec.ps")
 MAX_ROLLBACKS = 3  # in a row, to the same checkpoint with no step past it in between
@@ -69,8 +69,8 @@ def _own_checkpoint(directory: str, step: int | None, err, exact: bool) -> tuple
     save cut by the restart) is an error, since another step would leave this worker out of step."""
     paths = [p for p in list_checkpoints(directory) if step is None or checkpoint_step(p) <= step]
     if exact and step is not None and (not paths or checkpoint_step(paths[-1]) != step):
-        raise PSError(f"{err}; the chief restored the PSs to step {step} but {directory} holds no checkpoint of "
-                      f"this sync worker at that step: restart the job with --resume") from None
+        own = checkpoint_step(paths[-1]) if paths else None
+        raise PSError(f"{err}; {out_of_step(step, own)} ({directory})") from None
     if not paths:
         raise PSError(f"{err}; the chief restored the PSs to step {step} but {directory} holds no checkpoint of "
                       "this worker at or before it") from None

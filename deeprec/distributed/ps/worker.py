@@ -22,7 +22,7 @@ from torch import nn
 
 from deeprec.distributed.allreduce import (DenseAllReduce, broadcast_parameters, join_process_group,
                                           leave_process_group, rendezvous_from_env)
-from deeprec.distributed.ps.client import DENSE_MODES, PSClient
+from deeprec.distributed.ps.client import DENSE_MODES, PSClient, PSError, out_of_step
 from deeprec.errors import ConfigError, check_choice
 from deeprec.nn.collection import EmbeddingCollection, FusedLookup
 from deeprec.nn.variable import EmbeddingVariable
@@ -350,4 +350,6 @@ class PSUpdater:
         if self.is_chief:
             self.client.restore(state["ps"], int(state["step"]))  # onto however many PSs run now
         elif wait:
-            self.client.wait_restored(self.client.deadline_s)
+            restored = self.client.wait_restored(self.client.deadline_s)
+            if self.client.sync_workers > 1 and restored is not None and restored != int(state["step"]):
+                raise PSError(out_of_step(restored, int(state["step"])))
