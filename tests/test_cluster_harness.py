@@ -56,6 +56,18 @@ def _gone_or_zombie(pid: str) -> bool:
         return True
 
 
+def _commands(pids: list[str]) -> dict[str, str]:
+    """{pid: its command line} of those still there."""
+    commands = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                commands[pid] = f.read().replace(b"\0", b" ").decode().strip()
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return commands
+
+
 def test_close_stops_every_process_and_removes_namespaces_and_links(tmp_path):
     reason = unavailable()
     if reason:
@@ -68,12 +80,11 @@ def test_close_stops_every_process_and_removes_namespaces_and_links(tmp_path):
     deadline = time.monotonic() + 20  # all four started (bash's child, setsid's): a loaded machine takes its time
     while True:
         inside = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True).stdout.split()
-        started = all(subprocess.run(["pgrep", "-f", f"^sleep {n}$"], capture_output=True).stdout.strip()
-                      for n in (600, 601))
+        started = {"sleep 600", "sleep 601"} <= set(_commands(inside).values())  # both in the namespace
         if (len(inside) >= 4 and started) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
-    assert len(inside) >= 4 and started, inside
+    assert len(inside) >= 4 and started, _commands(inside)
     made.close()
     assert sleeper.returncode is not None and child.returncode is not None
     for pid in inside:
