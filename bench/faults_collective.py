@@ -33,6 +33,7 @@ sys.path.insert(0, TESTS)
 import torch  # noqa: E402
 
 from cluster import Cluster, unavailable  # noqa: E402
+from test_elastic import saved  # noqa: E402  (every rank's checkpoint of a step written)
 
 STEPS, EVERY, TIMEOUT_S = 200, 50, 10
 TRAIN = ["train", "--synthetic", "4000", "--cardinalities", "small", "--batch-size", "32", "--no-progress",
@@ -102,11 +103,6 @@ def _wait(predicate, timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
-def _saved(ckpt: Path, step: int):
-    """Every rank's checkpoint of `step` written (a restart resumes from the newest step every rank saved)."""
-    return lambda: all((ckpt / f"rank-{r}-of-2" / f"checkpoint-{step:09d}.manifest.json").exists() for r in range(2))
-
-
 def reference(workdir: Path, env: dict) -> Path:
     ckpt = workdir / "uninterrupted"
     done = subprocess.run([sys.executable, "-m", "deeprec.cli", "launch", "--workers", "2", "--collective", "--",
@@ -124,7 +120,7 @@ def elastic(workdir: Path, env: dict, ref: Path) -> dict:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     out = Lines(proc.stdout)
     try:
-        _wait(_saved(ckpt, EVERY), 300, "checkpoint 50")
+        _wait(saved(ckpt, EVERY), 300, "checkpoint 50")
         time.sleep(INTO_S)
         from test_collective_timeout import _children_with
 
@@ -162,7 +158,7 @@ def partition(workdir: Path, env: dict, ref: Path) -> dict:
             return [h.run(argv, name=f"rank{r}-{port}", env=dict(rendezvous, RANK=str(r))) for r, h in enumerate(hosts)]
 
         ranks = start(29500)
-        _wait(_saved(ckpt, EVERY), 300, "checkpoint 50")
+        _wait(saved(ckpt, EVERY), 300, "checkpoint 50")
         time.sleep(INTO_S)
         hosts[1].cut()
         cut = time.monotonic()

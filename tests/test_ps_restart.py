@@ -72,4 +72,3 @@ def test_a_restarted_ps_without_a_checkpoint_dir_is_a_clear_error(cluster, tmp_p
     flat = " ".join(worker.output().split())
     assert re.search(rf"PS 0 at {re.escape(ps.host.address)}:\d+: restarted, its rows are gone .*there is no "
                      r"checkpoint to roll back to: train with --checkpoint-dir", flat), flat[-3000:]
-

@@ -119,7 +119,7 @@ class Deadline:
 
     def _beat(self) -> None:
         count = 0
-        while not self._stop.is_set() and not self._beat_stop.wait(HEARTBEAT_S):
+        while not self._beat_stop.wait(HEARTBEAT_S):  # set by stop() and at exit
             count += 1
             try:
                 self._store.set(f"{_PREFIX}{self.rank}", str(count))
