@@ -9,7 +9,7 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 setup(
     ext_modules=[CppExtension("deeprec._C", ["deeprec/csrc/feature_ops.cpp", "deeprec/csrc/bags.cpp",
-                               "deeprec/csrc/ps_index.cpp", "deeprec/csrc/sparse_optim.cpp"],
+                               "deeprec/csrc/key_index.cpp", "deeprec/csrc/sparse_optim.cpp"],
                               depends=["deeprec/csrc/hashes.h"],
                               extra_compile_args=["-O3", "-fno-math-errno", "-ffp-contract=off"])],
     cmdclass={"build_ext": BuildExtension},

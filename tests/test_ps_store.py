@@ -127,11 +127,13 @@ def test_dense_group_one_step_for_all_and_only_the_pushed_slices():
     assert group.optimizer.step_count == 2
 
 
-def test_index_build_refuses_a_pair_held_twice():
+def test_a_load_refuses_a_key_held_twice():
     arena = EmbeddingArena(2, sparse.SGD(lr=1.0))
-    arena.row_ns[:2], arena.row_keys[:2] = 0, 5
-    with pytest.raises(RuntimeError, match="held by two rows"):
-        torch.ops.deeprec.ps_index_build(arena.table, arena.row_ns, arena.row_keys, 2)
+    var = arena.add("t", torch.zeros(1, 2))
+    state = {"keys": torch.tensor([5, 5]), "values": torch.zeros(2, 2), "freq": torch.zeros(2, dtype=torch.int64),
+             "version": torch.zeros(2, dtype=torch.int64)}
+    with pytest.raises(ValueError, match="1 keys twice"):
+        arena.load({var: state}, shard_index=0, num_shards=1)
 
 
 def test_received_tensors_are_aligned_views_of_the_message():

@@ -29,7 +29,7 @@ from deeprec.nn.lookup import (COMBINERS, EmbeddingLookup, RowGather, assemble, 
                                 prepare_bags)
 from deeprec.nn.options import EmbeddingVariableOption
 from deeprec.nn.tiered import embedding_variable
-from deeprec.nn.variable import Gathered
+from deeprec.nn.variable import Gathered, lookup_variables
 from deeprec.ragged import Ragged
 
 
@@ -197,8 +197,8 @@ class FusedLookup(EmbeddingLookup):
                 self._receive(part, r, g, begin=not began, generation=generation)
                 began.append(part)
 
-            for part, (ev, keys, seen) in enumerate(zip(self.variables, uniques, counts)):
-                rows, values, generation = ev.lookup(keys, seen, train=self.training)  # freq counts every occurrence
+            found = lookup_variables(list(self.variables), uniques, counts, self.training)  # one native call
+            for part, (rows, values, generation) in enumerate(found):  # freq counts every occurrence
                 if not (self.training and torch.is_grad_enabled()):
                     gathered.append(values)  # no gradient to route (and what an exported program holds)
                     continue

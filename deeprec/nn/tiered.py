@@ -22,7 +22,8 @@ import torch
 from deeprec.errors import ConfigError, StorageFullError
 from deeprec.nn.disk_rows import DiskRows
 from deeprec.nn.options import EmbeddingVariableOption, GlobalStepEvict, L2WeightEvict, StorageOption
-from deeprec.nn.variable import EmbeddingVariable, KeyIndex, shard_of
+from deeprec.nn.key_index import KeyIndex
+from deeprec.nn.variable import EmbeddingVariable, shard_of
 
 _MIN_CACHE_ROWS = 16
 
@@ -147,8 +148,8 @@ class TieredEmbeddingVariable(EmbeddingVariable):
         keys = self.keys[rows]
         slots = self.disk.allocate(rows.numel())
         self.disk.write(slots, self._floats(rows), keys, self.freq[rows], self.version[rows], self.dirty[rows])
-        self._disk_index.insert(keys.numpy(), slots.numpy())
-        _forget(self._index, keys)
+        self._disk_index.assign(keys, slots)
+        self._index.remove(keys)
         self._free_rows(rows)
         self.stats["disk_writes"] += rows.numel()
         self.stats["bytes_written"] += rows.numel() * self.disk.record_bytes
@@ -183,7 +184,7 @@ class TieredEmbeddingVariable(EmbeddingVariable):
     def _promote(self, keys: torch.Tensor, staged: bool = False) -> int:
         """Move the keys held on disk (of these distinct keys, none in DRAM) into DRAM; returns how many.
         `staged`: for a later batch (a prefetch). Raises ConfigError, changing nothing, if DRAM has no room."""
-        slots = torch.from_numpy(self._disk_index.lookup(keys.numpy()))
+        slots = self._disk_index.lookup(keys)
         on_disk = slots >= 0
         if not bool(on_disk.any()):
             return 0
@@ -197,8 +198,8 @@ class TieredEmbeddingVariable(EmbeddingVariable):
         self.occupied[rows] = True
         self.staged[rows] = staged
         self.last_used[rows] = self._tick
-        self._index.insert(keys.numpy(), rows.numpy())
-        _forget(self._disk_index, keys)
+        self._index.assign(keys, rows)
+        self._disk_index.remove(keys)
         self.disk.release(slots)
         self.size += keys.numel()
         self.stats["bytes_read"] += keys.numel() * self.disk.record_bytes
@@ -208,7 +209,7 @@ class TieredEmbeddingVariable(EmbeddingVariable):
         """Protect the keys' DRAM rows and promote those on disk; (their rows, -1 where still
         not held; how many were read from disk). `rows`: the index's answer, if already known."""
         if rows is None:
-            rows = torch.from_numpy(self._index.lookup(keys.numpy()))
+            rows = self._index.lookup(keys)
         resident = rows >= 0
         if bool(resident.all()):  # the common case: every row in DRAM
             self.last_used[rows] = self._tick
@@ -218,7 +219,7 @@ class TieredEmbeddingVariable(EmbeddingVariable):
         self.staged[rows[resident]] = False
         read = self._promote(torch.unique(keys[~resident]))  # promoted rows are stamped with the tick
         if read:
-            rows = torch.from_numpy(self._index.lookup(keys.numpy()))
+            rows = self._index.lookup(keys)
         return rows, read
 
     # -- lookups and updates -------------------------------------------------------------------
@@ -226,7 +227,7 @@ class TieredEmbeddingVariable(EmbeddingVariable):
         keys = keys.to(torch.int64)
         with self._lock:
             self._tick += 1
-            rows = torch.from_numpy(self._index.lookup(keys.numpy()))
+            rows = self._index.lookup(keys)
             hits = int((rows >= 0).sum())
             if hits < keys.numel():
                 rows, read = self._make_resident(keys, rows)
@@ -250,7 +251,7 @@ class TieredEmbeddingVariable(EmbeddingVariable):
             return
         keys = keys.to(torch.int64)
         with self._lock:
-            rows = torch.from_numpy(self._index.lookup(keys.numpy()))
+            rows = self._index.lookup(keys)
             missing = rows < 0
             if bool(missing.any()):
                 try:
@@ -320,8 +321,8 @@ class TieredEmbeddingVariable(EmbeddingVariable):
                 drop_disk = disk_slots[low(self.disk.read(disk_slots)[0][:, : self.embedding_dim])]
             else:
                 raise ConfigError(f"unknown evict_option {policy!r}")
-            _forget(self._index, self.keys[drop_cache])
-            _forget(self._disk_index, self.disk.ints[drop_disk, 0])
+            self._index.remove(self.keys[drop_cache])
+            self._disk_index.remove(self.disk.ints[drop_disk, 0])
             self._free_rows(drop_cache)
             self.disk.release(drop_disk)
             return drop_cache.numel() + drop_disk.numel()
@@ -338,21 +339,21 @@ class TieredEmbeddingVariable(EmbeddingVariable):
             pick.get(f"slot.{n}", torch.full_like(s[:1], self._slot_init[n][0]).expand(keys.numel(), *s.shape[1:]))
             .reshape(keys.numel(), -1) for n, s in self.slots.items()], 1)
         clean = torch.zeros(keys.numel(), dtype=torch.bool)
-        rows = torch.from_numpy(self._index.lookup(keys.numpy()))
-        slots = torch.from_numpy(self._disk_index.lookup(keys.numpy()))
+        rows = self._index.lookup(keys)
+        slots = self._disk_index.lookup(keys)
         cached, on_disk = rows >= 0, (rows < 0) & (slots >= 0)
         new = torch.nonzero((rows < 0) & (slots < 0)).squeeze(1)
         into_dram = new[: min(new.numel(), self._free.numel())]  # free DRAM first, the rest to disk
         to_disk = new[into_dram.numel():]
         if to_disk.numel():  # first: a disk tier with no room (StorageFullError) changes no row
             slots[to_disk] = self.disk.allocate(to_disk.numel())
-            self._disk_index.insert(keys[to_disk].numpy(), slots[to_disk].numpy())
+            self._disk_index.assign(keys[to_disk], slots[to_disk])
             on_disk[to_disk] = True
         if into_dram.numel():
             rows[into_dram] = self._take_rows(into_dram.numel())
             self.occupied[rows[into_dram]] = True
             self.last_used[rows[into_dram]] = self._tick - self.option.storage.protect_steps  # evictable
-            self._index.insert(keys[into_dram].numpy(), rows[into_dram].numpy())
+            self._index.assign(keys[into_dram], rows[into_dram])
             self.size += into_dram.numel()
             cached[into_dram] = True
         r = rows[cached]
@@ -384,11 +385,6 @@ class TieredEmbeddingVariable(EmbeddingVariable):
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", dram_rows={self.size}/{self.capacity}, disk_rows={self.disk.rows}, "
                 f"cache={self.option.storage.cache!r}")
-
-
-def _forget(index: KeyIndex, keys: torch.Tensor) -> None:
-    """Drop the keys from a tier's index (pandas' khash has no delete: -1 reads as absent)."""
-    index.insert(keys.numpy(), torch.full_like(keys, -1).numpy())
 
 
 def _with_storage(ev: EmbeddingVariable, storage: StorageOption, state: dict, optimizer,

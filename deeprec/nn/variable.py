@@ -1,8 +1,12 @@
 """EmbeddingVariable: a dynamic hash embedding (DeepRec's EV) for unbounded int64 keys.
 
-    keys ──KeyIndex (pandas' C hash table, vectorized)──> rows ──> weight[rows]
+    keys ──KeyIndex (deeprec/nn/key_index.py: native, no GIL)──> rows ──> weight[rows]
                      └─ unseen key: admission filter, then a new row whose
                         initial value is row key % default_value_dim of a fixed matrix
+
+Without an admission filter (the default), a lookup is one native call that finds or
+inserts every key, deduplicates them and counts their frequencies; `lookup_variables`
+does it for many variables at once (an EmbeddingCollection's, in one op call).
 
 Rows live in growable tensors (weight, freq, version, dirty, optimizer slots),
 all indexed by the same row number, so an optimizer's slots share the key index.
@@ -30,9 +34,9 @@ import threading
 
 import numpy as np
 import torch
-from pandas._libs.hashtable import Int64HashTable
 
 from deeprec.errors import ConfigError
+from deeprec.nn.key_index import KeyIndex, find_rows
 from deeprec.nn.lookup import EmbeddingLookup, RowGather, merge_rows
 from deeprec.nn.options import CBFFilter, CounterFilter, EmbeddingVariableOption, GlobalStepEvict, L2WeightEvict
 
@@ -54,22 +58,6 @@ def incremental_state_dict():
 
 def shard_of(keys: torch.Tensor, num_shards: int) -> torch.Tensor:
     return torch.remainder(torch.remainder(keys, PARTITION_MOD), num_shards)
-
-
-class KeyIndex:
-    """int64 key -> row, in pandas' khash table (vectorized lookups and inserts in C)."""
-
-    def __init__(self, capacity: int = 1024):
-        self._table = Int64HashTable(capacity)
-
-    def lookup(self, keys: np.ndarray) -> np.ndarray:
-        return self._table.lookup(keys).astype(np.int64, copy=False)
-
-    def insert(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        self._table.map_keys_to_values(keys, rows)
-
-    def nbytes(self) -> int:
-        return int(self._table.sizeof())
 
 
 class Gathered:
@@ -130,24 +118,20 @@ class EmbeddingVariable(EmbeddingLookup):
 
     _tiered = False  # TieredEmbeddingVariable: rows in DRAM and on disk
 
-    # -- copies (copy.deepcopy, pickle): the lock and the hash indexes are rebuilt ---------
+    @property
+    def native_path(self) -> bool:
+        """No admission filter and every row in DRAM: a lookup is one native find-or-insert call."""
+        return self.option.filter_option is None and not self._tiered
+
+    # -- copies (copy.deepcopy, pickle): the lock is made anew (the key indexes are tensors) ---
     def __getstate__(self):
         state = self.__dict__.copy()
-        for name in ("_lock", "_index", "_pending_index"):
-            state.pop(name, None)
+        state.pop("_lock", None)
         return state
 
     def __setstate__(self, state):
         super().__setstate__(state)
         self._lock = threading.RLock()
-        self._index = KeyIndex(max(self.capacity, 16))
-        self._index.insert(self.keys[: self.size].numpy(), np.arange(self.size, dtype=np.int64))
-        if isinstance(self.option.filter_option, CounterFilter):
-            self._pending_index = KeyIndex()
-            self._pending_index.insert(self._pending_keys[: self._pending_size].numpy(),
-                                       np.arange(self._pending_size, dtype=np.int64))
-        else:
-            self._pending_index = None
 
     # -- as a layer: ev(ids), like nn.Embedding ------------------------------------------------
     def set_optimizer(self, optimizer) -> None:
@@ -162,11 +146,16 @@ class EmbeddingVariable(EmbeddingLookup):
         are inserted (filters permitting); an id seen several times in one call is looked up
         once, its gradients summed, and its row updated once by the attached optimizer."""
         ids = torch.as_tensor(ids)
-        keys, inverse, counts = torch.unique(ids.reshape(-1).to(torch.int64), return_inverse=True,
-                                             return_counts=True)
+        flat = ids.reshape(-1).to(torch.int64).cpu()  # a host table
         if self._kept_grads and not self._deferred and self.training:
             self.check_applied()
-        rows, values, generation = self.lookup(keys.cpu(), counts.cpu(), train=self.training)  # a host table
+        if self.native_path:  # one native call: dedup, find or insert, count
+            [(rows, values, generation, inverse)] = _native_lookup([self], [flat.contiguous()], [None],
+                                                                    self.training, dedup=True)
+        else:
+            keys, inverse, counts = torch.unique(flat, return_inverse=True, return_counts=True)
+            rows, values, generation = self.lookup(keys, counts, train=self.training)
+        inverse = inverse.to(ids.device)
         if self.training and torch.is_grad_enabled():
             values = RowGather.apply(self._token, Gathered(values), rows,
                                      functools.partial(self._receive, generation=generation))
@@ -176,6 +165,10 @@ class EmbeddingVariable(EmbeddingLookup):
     def lookup(self, keys: torch.Tensor, counts: torch.Tensor | None = None, train: bool = True):
         """(rows, their values, generation) of `keys`, found and read under one lock hold, so
         a concurrent save's compaction cannot move the rows in between."""
+        if self.native_path:
+            [(rows, values, generation, _)] = _native_lookup([self], [keys.to(torch.int64).contiguous()], [counts],
+                                                             train, dedup=False)
+            return rows, values, generation
         with self._lock:
             rows = self.rows_for(keys, counts, train=train)
             return rows, self.gather(rows), self.generation
@@ -299,7 +292,7 @@ class EmbeddingVariable(EmbeddingLookup):
         self.freq[new] = 0
         self.version[new] = self.global_step
         self.dirty[new] = True
-        self._index.insert(keys.numpy(), rows.numpy())
+        self._index.assign(keys, rows)
         self.size += n
         return rows
 
@@ -310,12 +303,12 @@ class EmbeddingVariable(EmbeddingLookup):
         if f is None:
             return torch.ones(keys.numel(), dtype=torch.bool)
         if isinstance(f, CounterFilter):
-            slots = torch.from_numpy(self._pending_index.lookup(keys.numpy()))
+            slots = self._pending_index.lookup(keys)
             new = slots < 0
             if new.any():
                 n_new = int(new.sum())
                 fresh = torch.arange(self._pending_size, self._pending_size + n_new, dtype=torch.int64)
-                self._pending_index.insert(keys[new].numpy(), fresh.numpy())
+                self._pending_index.assign(keys[new], fresh)
                 self._pending_size += n_new
                 if self._pending_size > self._pending_counts.numel():
                     size = max(self._pending_size, 2 * self._pending_counts.numel())
@@ -338,7 +331,7 @@ class EmbeddingVariable(EmbeddingLookup):
         In training, counts the sightings and inserts admitted new keys."""
         keys = keys.to(torch.int64)
         with self._lock:
-            return self._complete_rows(keys, torch.from_numpy(self._index.lookup(keys.numpy())), counts, train)
+            return self._complete_rows(keys, self._index.lookup(keys), counts, train)
 
     def _complete_rows(self, keys: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor | None,
                        train: bool) -> torch.Tensor:
@@ -366,13 +359,25 @@ class EmbeddingVariable(EmbeddingLookup):
             self.freq.index_add_(0, rows[known], counts[known])
             return rows
 
-    def gather(self, rows: torch.Tensor) -> torch.Tensor:
-        """weight[rows]; rows < 0 read default_value_no_permission."""
+    def gather(self, rows: torch.Tensor, missing: bool = True) -> torch.Tensor:
+        """weight[rows]; rows < 0 read default_value_no_permission (`missing=False`: none is)."""
+        if not missing:
+            return self.weight.index_select(0, rows)
         out = self.weight.index_select(0, rows.clamp_min(0))
         missing = rows < 0
         if missing.any():
             out[missing] = self._no_permission
         return out
+
+    def _init_new_rows(self, n: int) -> None:
+        """The n rows a native insert just created past `size` (keys and freq written): their
+        initial values, version and dirty flag (their slots are at their initial values)."""
+        new = slice(self.size, self.size + n)
+        torch.index_select(self._defaults, 0, torch.remainder(self.keys[new], self._defaults.shape[0]),
+                           out=self.weight[new])
+        self.version[new] = self.global_step
+        self.dirty[new] = True
+        self.size += n
 
     def current_rows(self, rows: torch.Tensor, generation: int | None) -> torch.Tensor:
         """Rows of generation `generation` renumbered into the current one (-1: evicted since,
@@ -462,7 +467,7 @@ class EmbeddingVariable(EmbeddingLookup):
             self._reset(max(16, 2 * int(mine.sum())))  # keeps the declared slots, at their initial values
             self._new_generation(row_map)
         keys = pick["keys"]
-        rows = torch.from_numpy(self._index.lookup(keys.numpy()))
+        rows = self._index.lookup(keys)
         new = rows < 0
         if new.any():
             rows[new] = self._insert(keys[new])
@@ -505,3 +510,43 @@ class EmbeddingVariable(EmbeddingLookup):
         per_row = (self.embedding_dim * 4 + 8 + 8 + 8 + 1
                    + sum(s[0].numel() * s.element_size() for s in self.slots.values()))
         return per_row + self._index.nbytes() / max(self.size, 1)
+
+
+_NO_FREQ = torch.empty(0, dtype=torch.int64)
+
+
+def _native_lookup(evs: list[EmbeddingVariable], keys: list[torch.Tensor], counts: list, train: bool, dedup: bool):
+    """[(rows, values, generation, inverse)] of variables on the native path, in one op call with
+    every variable's lock held: keys found or (in training) inserted, frequencies counted."""
+    with contextlib.ExitStack() as held:
+        for ev in evs:
+            held.enter_context(ev._lock)
+        if train:  # room for every key to be new
+            for ev, part in zip(evs, keys):
+                ev._grow(ev.size + part.numel())
+        counts = [None if c is None else c.to(torch.int64).contiguous() for c in counts]
+        rows, inverse, fresh, stats = find_rows([ev._index for ev in evs], [ev.keys for ev in evs],
+                                                [ev.freq if train else _NO_FREQ for ev in evs], keys, counts,
+                                                [ev.size for ev in evs], insert=train, dedup=dedup)
+        out = []
+        for ev, part_rows, part_inverse, part_fresh, (missing, _, _) in zip(evs, rows, inverse, fresh, stats.tolist()):
+            if part_fresh.numel():
+                ev._init_new_rows(part_fresh.numel())
+            out.append((part_rows, ev.gather(part_rows, missing=missing > 0), ev.generation, part_inverse))
+        return out
+
+
+def lookup_variables(evs: list[EmbeddingVariable], keys: list[torch.Tensor], counts: list, train: bool):
+    """[(rows, values, generation)] of each variable's keys (distinct per variable): those on the
+    native path in one op call, the others (admission filters, tiers) each by its own lookup."""
+    native = [i for i, ev in enumerate(evs) if ev.native_path]
+    out = [None] * len(evs)
+    if native and len({id(evs[i]) for i in native}) == len(native):  # a variable twice: one call each
+        found = _native_lookup([evs[i] for i in native], [keys[i].to(torch.int64).contiguous() for i in native],
+                               [counts[i] for i in native], train, dedup=False)
+        for i, (rows, values, generation, _) in zip(native, found):
+            out[i] = rows, values, generation
+    for i, ev in enumerate(evs):
+        if out[i] is None:
+            out[i] = ev.lookup(keys[i], counts[i], train=train)
+    return out

@@ -41,15 +41,35 @@ def _(values, offsets, batch, combiners, fill_ids, has_fill):
             values[0].new_empty(total, dtype=torch.float32), *[u.new_empty(u.shape[0]) for u in uniques]]
 
 
-@torch.library.register_fake("deeprec::ps_index_rows")
-def _(table, row_ns, row_keys, ns, keys, size, insert):
-    fresh = keys.new_empty(torch.library.get_ctx().new_dynamic_size())
-    return keys.new_empty(keys.shape), fresh, keys.new_empty(())
+@torch.library.register_fake("deeprec::key_index_find")
+def _(tables, row_keys, freqs, ns, keys, counts, sizes, insert, dedup):
+    ctx = torch.library.get_ctx()
+    rows = [k.new_empty(ctx.new_dynamic_size() if dedup else k.shape[0]) for k in keys]
+    inverse = [k.new_empty(k.shape[0] if dedup else 0) for k in keys]
+    fresh = [k.new_empty(ctx.new_dynamic_size()) for k in keys]
+    return rows, inverse, fresh, keys[0].new_empty(len(keys), 3)
 
 
-@torch.library.register_fake("deeprec::ps_index_build")
-def _(table, row_ns, row_keys, size):
+@torch.library.register_fake("deeprec::key_index_assign")
+def _(table, ns, keys, rows):
+    return torch.library.get_ctx().new_dynamic_size()
+
+
+@torch.library.register_fake("deeprec::key_index_remove")
+def _(table, ns, keys):
+    return torch.library.get_ctx().new_dynamic_size()
+
+
+@torch.library.register_fake("deeprec::key_index_rehash")
+def _(old_table, new_table):
     return None
+
+
+@torch.library.register_fake("deeprec::key_index_entries")
+def _(table):
+    ctx = torch.library.get_ctx()
+    n = ctx.new_dynamic_size()
+    return table.new_empty(n), table.new_empty(n), table.new_empty(n)
 
 
 @torch.library.register_fake("deeprec::sparse_sgd_")

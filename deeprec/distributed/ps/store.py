@@ -1,7 +1,7 @@
 """Fused storage of a PS shard: a pull or push is a few tensor ops, whatever the number of variables.
 
     EmbeddingArena   every embedding variable of one (dim, optimizer) on the shard
-        (variable, key) ──deeprec::ps_index_rows (C++, no GIL)──> row
+        (variable, key) ──KeyIndex (deeprec/nn/key_index.py: C++, no GIL)──> row
         row ──> weight [R, dim] | optimizer slots | freq | version       (one arena of rows)
     DenseGroup       every dense variable of one optimizer: one flat buffer, one optimizer step
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-import deeprec._C  # noqa: F401  (registers torch.ops.deeprec.ps_index_*)
+from deeprec.nn.key_index import KeyIndex, slots_for
 from deeprec.nn.variable import shard_of
 from deeprec.optim import sparse
 from deeprec.nn.lookup import merge_rows
@@ -41,7 +41,7 @@ class EmbeddingArena:
 
     def _allocate(self, rows: int) -> None:
         self.size = 0
-        self.table = torch.full((_table_size(rows),), -1, dtype=torch.int64)
+        self.index = KeyIndex(rows)
         if rows < self.reserve_rows:
             try:
                 return self._arrays(self.reserve_rows, reserved_empty)
@@ -81,7 +81,7 @@ class EmbeddingArena:
     def memory(self) -> int:
         """Bytes held: the rows in use (a reserved arena commits no more) or allocated, and the index."""
         rows = self.size if self.reserve_rows else self.capacity
-        return rows * self._row_bytes() + 8 * self.table.numel() + self._default_matrix.numel() * 4
+        return rows * self._row_bytes() + self.index.nbytes() + self._default_matrix.numel() * 4
 
     def _reserve(self, n: int) -> None:
         """Room for n more rows (arrays doubled, the index rehashed, when needed)."""
@@ -93,29 +93,25 @@ class EmbeddingArena:
             self.weight = _grown(self.weight, capacity, live)
             self.freq, self.version = _grown(self.freq, capacity, live), _grown(self.version, capacity, live)
             self.slots = {name: _grown(slot, capacity, live) for name, slot in self.slots.items()}
-        if 4 * needed > self.table.numel():
-            self.table = torch.empty(_table_size(needed), dtype=torch.int64)
-            torch.ops.deeprec.ps_index_build(self.table, self.row_ns, self.row_keys, self.size)
 
     def rows(self, ns: torch.Tensor, keys: torch.Tensor, insert: bool) -> tuple[torch.Tensor, int]:
         """(row of each (variable id, key), how many repeat an earlier pair). A pair not held
         reads -1, unless `insert` creates it (from its variable's initializer, one row per pair)."""
         if insert:
             self._reserve(keys.numel())
-        rows, fresh, repeated = torch.ops.deeprec.ps_index_rows(self.table, self.row_ns, self.row_keys, ns, keys,
-                                                      self.size, insert)
+        # one op: rows found (or created: their keys written), repeats counted, (insert:) freq counted
+        rows, fresh, repeated = self.index.find(keys, self.row_keys, self.size, ns=ns,
+                                                freq=self.freq if insert else None, insert=insert)
         if fresh.numel():
             new = slice(self.size, self.size + fresh.numel())
             var, key = ns[fresh], keys[fresh]
+            self.row_ns[new] = var
             picks = self._default_offset[var] + torch.remainder(key, self._default_count[var])
             torch.index_select(self._default_matrix, 0, picks, out=self.weight[new])
-            self.freq[new] = 0
             self.version[new] = self.optimizer.step_count
             for name, (value, _) in self.optimizer.slot_specs().items():
                 self.slots[name][new] = value
             self.size += fresh.numel()
-        if insert:
-            self.freq.index_put_((rows,), torch.ones_like(rows), accumulate=True)
         return rows, int(repeated)
 
     def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -165,7 +161,10 @@ class EmbeddingArena:
             for name, slot in self.slots.items():
                 slot[new] = part[f"slot.{name}"]
             self.size += n
-        torch.ops.deeprec.ps_index_build(self.table, self.row_ns, self.row_keys, self.size)
+        held = self.index.assign(self.row_keys[: self.size], torch.arange(self.size), ns=self.row_ns[: self.size])
+        if held != self.size:
+            raise ValueError(f"the rows loaded hold {self.size - held} keys twice (a variable's checkpoint "
+                             "must hold each key once)")
 
 
 class DenseGroup:
@@ -245,12 +244,7 @@ def row_bytes(dim: int, optimizer: sparse.RowSparseOptimizer) -> int:
 def load_bytes(dim: int, optimizer: sparse.RowSparseOptimizer, rows: int, reserved: bool) -> int:
     """What `EmbeddingArena.memory` reads after a `load` of `rows` rows (without the defaults)."""
     capacity = max(1024, 2 * rows)
-    return (rows if reserved else capacity) * row_bytes(dim, optimizer) + 8 * _table_size(capacity)
-
-
-def _table_size(rows: int) -> int:
-    """Entries of an index for `rows` rows: 2 per slot, slots a power of two >= 2 x rows."""
-    return 2 << max(4, (2 * max(rows, 1) - 1).bit_length())
+    return (rows if reserved else capacity) * row_bytes(dim, optimizer) + 16 * slots_for(capacity)
 
 
 def _grown(t: torch.Tensor, capacity: int, live: slice) -> torch.Tensor:

@@ -29,7 +29,7 @@ from deeprec.nn.lookup import merge_rows
 from deeprec.nn.disk_rows import check_tier_folder
 
 _ROW_BITS = 40
-_INDEX_BYTES = 48  # a key's entries in the DRAM and disk indexes (pandas khash), about
+_INDEX_BYTES = 48  # a key's entry in the DRAM or disk index (16-byte slots, 1/4 to 1/2 full), about
 
 
 @contextlib.contextmanager

@@ -1,0 +1,322 @@
+// deeprec's one key index: (namespace, int64 key) -> row, an open-addressing hash table held
+// in one int64 tensor. The local EmbeddingVariable, its tiered form (DRAM and disk indexes),
+// the counter filter's pending keys and the PS shard's arena all use it (deeprec/nn/key_index.py
+// wraps it); every op runs without the GIL (torch.ops releases it) under the owner's lock.
+//
+//   table int64 [2C]  slot s: [2s] = key, [2s + 1] = tag = ns << 40 | row, or -1 if empty;
+//                     C a power of two, kept <= half full by the caller. The key is inline so a
+//                     probe touches one cache line; linear probing, deletion by backward shift
+//                     (no tombstones).
+//
+//   key_index_find(tables, row_keys, freqs, ns, keys, counts, sizes, insert, dedup)
+//       -> (rows, inverse, fresh, stats)       one call for many indexes (part i: tables[i], ...)
+//     rows[i]    the row of each key (dedup: of each distinct key, in first-seen order; a key not
+//                held and not inserted keeps a place of its own), -1 if not held; with `insert`
+//                a key not held gets the next row (sizes[i], sizes[i] + 1, ...), its key written
+//                to row_keys[i][row] and its freq set to 0
+//     inverse[i] dedup: position -> its key's place in rows[i] (else empty)
+//     fresh[i]   places in rows[i] that created a row, in row order
+//     stats      int64 [parts, 3]: (places not held after the call, positions that repeat an
+//                earlier key of the call, places)
+//     freqs[i]   (unless empty) += counts[i] (empty: 1) at each position's row
+//   key_index_assign(table, ns, keys, rows) -> new entries     key -> row, inserted or overwritten
+//   key_index_remove(table, ns, keys) -> removed entries
+//   key_index_rehash(old_table, new_table)                      every entry of old into new (empty)
+//   key_index_entries(table) -> (ns, keys, rows)                every entry, in slot order
+// An empty ns tensor means namespace 0 for every key.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+namespace deeprec {
+namespace {
+
+inline uint64_t slot_hash(int64_t ns, int64_t key) {  // splitmix64's finalizer over the pair
+  uint64_t x = static_cast<uint64_t>(key) ^ (static_cast<uint64_t>(ns) * 0x9E3779B97F4A7C15ULL);
+  x ^= x >> 30; x *= 0xbf58476d1ce4e5b9ULL;
+  x ^= x >> 27; x *= 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+constexpr int64_t kRowBits = 40;  // rows < 2^40, namespaces < 2^22
+constexpr int64_t kRowMask = (int64_t{1} << kRowBits) - 1;
+constexpr int64_t kSeen = int64_t{1} << 62;  // a slot met in this call (dedup: its row field holds the place)
+constexpr int64_t kMaxNs = int64_t{1} << (62 - kRowBits);
+// A probe is one cache miss into a table far larger than the cache: keys are hashed kAhead
+// ahead and their home slots prefetched, so the misses overlap instead of queueing.
+constexpr int64_t kAhead = 16;
+
+inline int64_t tag_ns(int64_t tag) { return (tag & ~kSeen) >> kRowBits; }
+
+struct Table {
+  int64_t* slots;
+  int64_t mask;
+
+  explicit Table(const at::Tensor& t) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.dim() == 1 && t.is_contiguous(),
+                "key_index: the table must be a contiguous 1-D int64 CPU tensor");
+    const int64_t c = t.numel() / 2;
+    TORCH_CHECK(t.numel() % 2 == 0 && c > 0 && (c & (c - 1)) == 0,
+                "key_index: the table must hold 2 x (a power of two) entries, got ", t.numel());
+    slots = t.data_ptr<int64_t>();
+    mask = c - 1;
+  }
+  int64_t home(int64_t ns, int64_t key) const { return static_cast<int64_t>(slot_hash(ns, key)) & mask; }
+  void prefetch(int64_t slot) const { __builtin_prefetch(slots + 2 * slot); }
+  // the slot holding (ns, key), or the empty slot where it would go
+  int64_t probe(int64_t slot, int64_t ns, int64_t key) const {
+    for (int64_t steps = 0; steps <= mask; ++steps) {
+      const int64_t tag = slots[2 * slot + 1];
+      if (tag < 0 || (slots[2 * slot] == key && tag_ns(tag) == ns)) return slot;
+      slot = (slot + 1) & mask;
+    }
+    TORCH_CHECK(false, "key_index: the table is full (grow it before inserting)");
+  }
+  void put(int64_t slot, int64_t ns, int64_t key, int64_t row) {
+    slots[2 * slot] = key;
+    slots[2 * slot + 1] = (ns << kRowBits) | row;
+  }
+};
+
+// a 1-D int64 CPU tensor's data, or nullptr for an empty tensor (the default: ns 0, count 1, no freq)
+const int64_t* longs(const at::Tensor& t, int64_t n, const char* what) {
+  if (t.numel() == 0) return nullptr;
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.dim() == 1 && t.is_contiguous() &&
+                  (n < 0 || t.numel() == n),
+              "key_index: ", what, " must be a contiguous 1-D int64 CPU tensor", n < 0 ? "" : " of the keys' length",
+              " (or empty)");
+  return t.data_ptr<int64_t>();
+}
+
+void check_ns(const int64_t* ns, int64_t n) {
+  if (!ns) return;
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(ns[i] >= 0 && ns[i] < kMaxNs, "key_index: namespace ", ns[i], " out of range [0, 2^22)");
+  }
+}
+
+at::Tensor keys_of(const at::Tensor& keys) {
+  TORCH_CHECK(keys.device().is_cpu() && keys.scalar_type() == at::kLong && keys.dim() == 1,
+              "key_index: keys must be a 1-D int64 CPU tensor");
+  return keys.contiguous();
+}
+
+struct Part {
+  at::Tensor rows, inverse, fresh;
+  int64_t missing = 0, repeated = 0;
+};
+
+Part find_part(const at::Tensor& table_t, const at::Tensor& row_keys_t, const at::Tensor& freq_t,
+               const at::Tensor& ns_t, const at::Tensor& keys_t, const at::Tensor& counts_t, int64_t size,
+               bool insert, bool dedup) {
+  Table table(table_t);
+  const at::Tensor keys = keys_of(keys_t);
+  const int64_t n = keys.numel();
+  const int64_t* kp = keys.data_ptr<int64_t>();
+  const int64_t* nsp = longs(ns_t, n, "ns");
+  const int64_t* cp = longs(counts_t, n, "counts");
+  check_ns(nsp, n);
+  int64_t* row_keys = insert ? const_cast<int64_t*>(longs(row_keys_t, -1, "row_keys")) : nullptr;
+  int64_t* freq = const_cast<int64_t*>(longs(freq_t, -1, "freq"));
+  if (insert) {
+    TORCH_CHECK(row_keys != nullptr && size >= 0 && size + n <= row_keys_t.numel(),
+                "key_index_find: grow the rows before inserting ", n, " keys (", size, " held, ",
+                row_keys_t.numel(), " allocated)");
+    TORCH_CHECK(size + n <= kRowMask, "key_index_find: more than 2^40 rows");
+  }
+  TORCH_CHECK(!freq || freq_t.numel() >= (insert ? size + n : 0), "key_index_find: freq is shorter than the rows");
+  Part out;
+  out.rows = at::empty({n}, keys.options());
+  int64_t* rows = out.rows.data_ptr<int64_t>();
+  int64_t* inverse = nullptr;
+  if (dedup) {
+    out.inverse = at::empty({n}, keys.options());
+    inverse = out.inverse.data_ptr<int64_t>();
+  } else {
+    out.inverse = at::empty({0}, keys.options());
+  }
+  std::vector<int64_t> fresh;
+  std::vector<std::pair<int64_t, int64_t>> met;  // (slot, its tag once the call ends)
+  met.reserve(n);
+  int64_t places = 0;
+  int64_t home[kAhead];
+  for (int64_t i = 0; i < std::min(n, kAhead); ++i) {
+    home[i] = table.home(nsp ? nsp[i] : 0, kp[i]);
+    table.prefetch(home[i]);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t ns = nsp ? nsp[i] : 0, key = kp[i];
+    const int64_t start = home[i % kAhead];
+    if (i + kAhead < n) {
+      home[i % kAhead] = table.home(nsp ? nsp[i + kAhead] : 0, kp[i + kAhead]);
+      table.prefetch(home[i % kAhead]);
+    }
+    const int64_t slot = table.probe(start, ns, key);
+    int64_t& tag = table.slots[2 * slot + 1];
+    int64_t row = -1, place = i;
+    if (tag >= 0 && (tag & kSeen)) {  // met earlier in this call
+      ++out.repeated;
+      if (dedup) {
+        place = tag & kRowMask;
+        row = rows[place];
+      } else {
+        row = rows[i] = tag & kRowMask;
+      }
+    } else {
+      bool created = false;
+      if (tag >= 0) {
+        row = tag & kRowMask;
+      } else if (insert) {
+        row = size++;
+        row_keys[row] = key;
+        if (freq) freq[row] = 0;
+        table.slots[2 * slot] = key;
+        tag = (ns << kRowBits) | row;
+        created = true;
+      }
+      if (dedup) place = places++;
+      if (row >= 0) {  // marked met until the call ends (dedup: the row field holds the place)
+        met.emplace_back(slot, tag);
+        tag = kSeen | (ns << kRowBits) | (dedup ? place : row);
+      } else {
+        ++out.missing;
+      }
+      rows[place] = row;
+      if (created) fresh.push_back(place);
+    }
+    if (dedup) inverse[i] = place;
+    if (freq && row >= 0) freq[row] += cp ? cp[i] : 1;
+  }
+  for (const auto& [slot, tag] : met) table.slots[2 * slot + 1] = tag;
+  if (dedup) out.rows = out.rows.narrow(0, 0, places);
+  out.fresh = at::empty({static_cast<int64_t>(fresh.size())}, keys.options());
+  std::copy(fresh.begin(), fresh.end(), out.fresh.data_ptr<int64_t>());
+  return out;
+}
+
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor> key_index_find(
+    const std::vector<at::Tensor>& tables, const std::vector<at::Tensor>& row_keys, const std::vector<at::Tensor>& freqs,
+    const std::vector<at::Tensor>& ns, const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& counts,
+    at::IntArrayRef sizes, bool insert, bool dedup) {
+  const size_t parts = tables.size();
+  TORCH_CHECK(row_keys.size() == parts && freqs.size() == parts && ns.size() == parts && keys.size() == parts &&
+                  counts.size() == parts && sizes.size() == parts,
+              "key_index_find: tables, row_keys, freqs, ns, keys, counts and sizes must have one entry per part");
+  std::vector<at::Tensor> rows, inverse, fresh;
+  at::Tensor stats = at::empty({static_cast<int64_t>(parts), 3}, at::kLong);
+  int64_t* sp = stats.data_ptr<int64_t>();
+  for (size_t p = 0; p < parts; ++p) {
+    Part part = find_part(tables[p], row_keys[p], freqs[p], ns[p], keys[p], counts[p], sizes[p], insert, dedup);
+    sp[3 * p] = part.missing;
+    sp[3 * p + 1] = part.repeated;
+    sp[3 * p + 2] = part.rows.numel();
+    rows.push_back(std::move(part.rows));
+    inverse.push_back(std::move(part.inverse));
+    fresh.push_back(std::move(part.fresh));
+  }
+  return {rows, inverse, fresh, stats};
+}
+
+int64_t key_index_assign(at::Tensor& table_t, const at::Tensor& ns_t, const at::Tensor& keys_t,
+                         const at::Tensor& rows_t) {
+  Table table(table_t);
+  const at::Tensor keys = keys_of(keys_t), rows_c = keys_of(rows_t);
+  const int64_t n = keys.numel();
+  TORCH_CHECK(rows_c.numel() == n, "key_index_assign: keys and rows differ in length");
+  const int64_t* kp = keys.data_ptr<int64_t>();
+  const int64_t* rp = rows_c.data_ptr<int64_t>();
+  const int64_t* nsp = longs(ns_t, n, "ns");
+  check_ns(nsp, n);
+  int64_t added = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(rp[i] >= 0 && rp[i] <= kRowMask, "key_index_assign: row ", rp[i], " out of range [0, 2^40]");
+    const int64_t ns = nsp ? nsp[i] : 0;
+    const int64_t slot = table.probe(table.home(ns, kp[i]), ns, kp[i]);
+    added += table.slots[2 * slot + 1] < 0;
+    table.put(slot, ns, kp[i], rp[i]);
+  }
+  return added;
+}
+
+int64_t key_index_remove(at::Tensor& table_t, const at::Tensor& ns_t, const at::Tensor& keys_t) {
+  Table table(table_t);
+  const at::Tensor keys = keys_of(keys_t);
+  const int64_t n = keys.numel();
+  const int64_t* kp = keys.data_ptr<int64_t>();
+  const int64_t* nsp = longs(ns_t, n, "ns");
+  int64_t* s = table.slots;
+  int64_t removed = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t ns = nsp ? nsp[i] : 0;
+    int64_t hole = table.probe(table.home(ns, kp[i]), ns, kp[i]);
+    if (s[2 * hole + 1] < 0) continue;
+    ++removed;
+    // backward shift: move later entries of the cluster into the hole unless their home lies
+    // cyclically in (hole, j], where they would no longer be found
+    for (int64_t j = (hole + 1) & table.mask; s[2 * j + 1] >= 0; j = (j + 1) & table.mask) {
+      const int64_t h = table.home(tag_ns(s[2 * j + 1]), s[2 * j]);
+      const bool stays = hole <= j ? (hole < h && h <= j) : (hole < h || h <= j);
+      if (stays) continue;
+      s[2 * hole] = s[2 * j];
+      s[2 * hole + 1] = s[2 * j + 1];
+      hole = j;
+    }
+    s[2 * hole + 1] = -1;
+  }
+  return removed;
+}
+
+void key_index_rehash(const at::Tensor& old_t, at::Tensor& new_t) {
+  Table from(old_t), to(new_t);
+  new_t.fill_(-1);
+  for (int64_t slot = 0; slot <= from.mask; ++slot) {
+    const int64_t tag = from.slots[2 * slot + 1];
+    if (tag < 0) continue;
+    const int64_t key = from.slots[2 * slot];
+    const int64_t target = to.probe(to.home(tag_ns(tag), key), tag_ns(tag), key);
+    to.slots[2 * target] = key;
+    to.slots[2 * target + 1] = tag;
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> key_index_entries(const at::Tensor& table_t) {
+  Table table(table_t);
+  std::vector<int64_t> ns, keys, rows;
+  for (int64_t slot = 0; slot <= table.mask; ++slot) {
+    const int64_t tag = table.slots[2 * slot + 1];
+    if (tag < 0) continue;
+    ns.push_back(tag_ns(tag));
+    keys.push_back(table.slots[2 * slot]);
+    rows.push_back(tag & kRowMask);
+  }
+  auto tensor = [](const std::vector<int64_t>& v) {
+    at::Tensor t = at::empty({static_cast<int64_t>(v.size())}, at::kLong);
+    std::copy(v.begin(), v.end(), t.data_ptr<int64_t>());
+    return t;
+  };
+  return {tensor(ns), tensor(keys), tensor(rows)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(deeprec, m) {
+  m.def("key_index_find(Tensor(a!)[] tables, Tensor(b!)[] row_keys, Tensor(c!)[] freqs, Tensor[] ns, Tensor[] keys, "
+        "Tensor[] counts, int[] sizes, bool insert, bool dedup) -> (Tensor[], Tensor[], Tensor[], Tensor)");
+  m.def("key_index_assign(Tensor(a!) table, Tensor ns, Tensor keys, Tensor rows) -> int");
+  m.def("key_index_remove(Tensor(a!) table, Tensor ns, Tensor keys) -> int");
+  m.def("key_index_rehash(Tensor old_table, Tensor(a!) new_table) -> ()");
+  m.def("key_index_entries(Tensor table) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(deeprec, CPU, m) {
+  m.impl("key_index_find", key_index_find);
+  m.impl("key_index_assign", key_index_assign);
+  m.impl("key_index_remove", key_index_remove);
+  m.impl("key_index_rehash", key_index_rehash);
+  m.impl("key_index_entries", key_index_entries);
+}
+
+}  // namespace deeprec
