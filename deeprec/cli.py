@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from deeprec.choices import BAD_ROW_POLICIES, CARDINALITIES, SYNTH_KINDS
+from deeprec.console import LogConsole, make_console
 from deeprec.errors import ConfigError, DeepRecError
 from deeprec.models import MODELS
 from deeprec.models.features import EMBEDDINGS
@@ -123,9 +124,9 @@ def train_config(args, console: Console) -> tuple:
 def _rank_console(strategy) -> Console:
     """Under torchrun every rank's lines carry its rank (deeprec launch prefixes them itself)."""
     if strategy.world_size == 1 or os.environ.get("DEEPREC_LAUNCHED"):
-        return Console(stderr=True)
+        return make_console(stderr=True)
 
-    class RankConsole(Console):
+    class RankConsole(LogConsole):
         def print(self, *objects, **kwargs):
             super().print(escape(f"[rank {strategy.rank}]"), *objects, **kwargs)
 
@@ -459,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     failing server or process, or a bug in deeprec; 130/143 a run stopped by a signal."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    console = Console(stderr=True)
+    console = make_console(stderr=True)  # a message is one line where stderr is no terminal
     configure_progress(console)  # evaluation, export and synth progress share the CLI's console
 
     def fail(err: Exception, code: int) -> int:

@@ -22,6 +22,8 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColu
                            TextColumn, TimeElapsedColumn)
 from rich.text import Text
 
+from deeprec.console import make_console
+
 _console: Console | None = None
 _enabled = True
 
@@ -35,7 +37,7 @@ def configure(console: Console | None = None, *, enabled: bool = True) -> None:
 def get_console() -> Console:
     global _console
     if _console is None:
-        _console = Console(stderr=True)
+        _console = make_console(stderr=True)
     return _console
 
 

@@ -29,11 +29,6 @@ def _env(tmp_path) -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", DEEPREC_CACHE=str(tmp_path / "cache"))
 
 
-def _flat(text: str) -> str:
-    """Consoles wrap long lines and prefix them ([worker1], [rank 1]): compare without either."""
-    return "".join(re.sub(r"\[(worker\d|rank \d)\]", "", text).split())
-
-
 def final_states(ckpt, step: int = STEPS) -> list[dict]:
     from deeprec.checkpoint import load_checkpoint
 
@@ -109,10 +104,12 @@ def run_and_kill(argv: list[str], env: dict, ckpt, timeout: float = 200) -> tupl
 
 
 def resumed_step(out: str) -> int:
-    """The step both ranks say they resumed from on restart 1 (the same for both)."""
-    steps = re.findall(r"resumedfromcheckpoint-\d+\.ptatstep(\d+)\(restart1,TORCHELASTIC_RESTART_COUNT\)", _flat(out))
-    assert len(steps) == 2 and steps[0] == steps[1], out[-4000:]
-    return int(steps[0])
+    """The step both ranks say they resumed from on restart 1 (the same for both), each in a line of its own
+    (prefixed [workerN] by deeprec launch, [rank N] by the rank itself under torchrun)."""
+    said = re.findall(r"^\[(worker|rank )(\d)\] resumed from checkpoint-\d+\.pt at step (\d+) "
+                      r"\(restart 1, TORCHELASTIC_RESTART_COUNT\)$", out, re.MULTILINE)
+    assert sorted(rank for _, rank, _ in said) == ["0", "1"] and said[0][2] == said[1][2], out[-4000:]
+    return int(said[0][2])
 
 
 def test_torchrun_restarts_the_group_and_every_rank_resumes_from_the_checkpoint(tmp_path, uninterrupted):
@@ -165,8 +162,9 @@ def test_past_max_restarts_the_job_fails_and_says_restarts_are_exhausted(tmp_pat
     assert code != 0, out[-4000:]
     assert f"[launch] restart 1 of 1: rank 1 exited with -9 (SIGKILL); no checkpoint in {ckpt}: every rank starts " \
            "over from step 0" in out, out[-4000:]
-    assert _flat(out).count(_flat(f"no checkpoint in {ckpt}: starting from step 0 (restart 1, "
-                                  "TORCHELASTIC_RESTART_COUNT)")) == 2, out[-4000:]
+    for rank in (0, 1):  # each rank's own line, whole
+        said = f"[worker{rank}] no checkpoint in {ckpt}: starting from step 0 (restart 1, TORCHELASTIC_RESTART_COUNT)"
+        assert out.splitlines().count(said) == 1, out[-4000:]
     assert "[launch] restarts exhausted (--max-restarts 1): rank 1 exited with -9 (SIGKILL) on restart 1; the job " \
            "failed" in out, out[-3000:]
     assert "[launch] 0/2 workers succeeded" in out

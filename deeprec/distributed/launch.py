@@ -84,10 +84,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class _Lines:
+    """The launcher's output: each write (one or more whole lines) goes out in one piece and is
+    flushed, under a lock shared by the threads that stream the workers' lines, so that no two
+    lines mix, however long."""
+
+    def __init__(self, sink):
+        self.sink, self.lock = sink, threading.Lock()
+
+    def write(self, text: str) -> None:
+        with self.lock:
+            self.sink.write(text)
+            self.sink.flush()
+
+    def flush(self) -> None:
+        with self.lock:
+            self.sink.flush()
+
+
 def _stream(prefix: str, pipe, sink) -> None:
+    """Each whole line the child writes, prefixed (its last line ended here if the child did not)."""
     for line in iter(pipe.readline, ""):
-        sink.write(f"[{prefix}] {line}")
-        sink.flush()
+        sink.write(f"[{prefix}] {line}" if line.endswith("\n") else f"[{prefix}] {line}\n")
 
 
 def launch(num_ps: int | None, num_workers: int, protocol: str, train_args: list[str], sync: bool = False,
@@ -116,6 +134,7 @@ def launch(num_ps: int | None, num_workers: int, protocol: str, train_args: list
     if sync:
         train_args = [*train_args, "--sync"]
     env = dict(os.environ, **{TOKEN_ENV: os.environ.get(TOKEN_ENV) or secrets.token_hex(32)})
+    out = _Lines(out)  # whole lines, the launcher's and every worker's
     children = Children()
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
