@@ -116,6 +116,12 @@ class ShardedLookup(EmbeddingLookup):
         self.fused, self._pending = True, []  # micro-batching keeps the updates for apply_pending()
 
     def forward(self, uniques, inverse, offsets, weights, counts, masks=()):
+        rows_values = self.rows(uniques, counts).to(inverse.device)  # differentiable: gradients return home
+        return assemble(rows_values, inverse, offsets, weights, masks, self.num_pooled, self.max_norm)
+
+    def rows(self, uniques, counts) -> torch.Tensor:
+        """The rows of this rank's unique keys of every table, in order ([sum of U, D], on the tables'
+        device), from their owners; differentiable: the backward sends the gradients to the owners."""
         if self._pending and self.fused and self.training:
             self.check_applied()
         home = self.table_device
@@ -139,11 +145,8 @@ class ShardedLookup(EmbeddingLookup):
             values[sel] = found[where]
             plan["tables"].append((sel, where, mine.numel(), rows, generation))
         if self.training and torch.is_grad_enabled():
-            rows_values = _ReturnRows.apply(self._token, values, self, plan)
-        else:
-            rows_values = _return_rows(values, self, plan)
-        rows_values = rows_values.to(inverse.device)  # differentiable: gradients return to the tables' device
-        return assemble(rows_values, inverse, offsets, weights, masks, self.num_pooled, self.max_norm)
+            return _ReturnRows.apply(self._token, values, self, plan)
+        return _return_rows(values, self, plan)
 
     @property
     def dynamic(self) -> list[bool]:
@@ -225,8 +228,11 @@ class ShardedLookup(EmbeddingLookup):
 
 
 def shard_embeddings(model: nn.Module, group=None) -> int:
-    """Swap every EmbeddingCollection's lookup for this rank's ShardedLookup (torch.distributed
-    initialized; the optimizer attached before). Returns how many."""
+    """Swap every EmbeddingCollection's lookup for this rank's ShardedLookup, and every free
+    EmbeddingVariable (`ev(ids)` in your own model, under each of its names) for a ShardedVariable
+    (torch.distributed initialized; the optimizer attached before). Returns how many."""
+    from deeprec.distributed.collective.variables import shard_variables
+
     if not dist.is_initialized():
         raise ConfigError("shard_embeddings needs torch.distributed: torch.distributed.init_process_group "
                           "(torchrun sets MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)")
@@ -235,7 +241,7 @@ def shard_embeddings(model: nn.Module, group=None) -> int:
         if isinstance(collection.lookup, FusedLookup):
             collection.lookup = ShardedLookup(collection.lookup, group)
             swapped += 1
-    return swapped
+    return swapped + shard_variables(model, group)
 
 
 def evaluate_sharded(model: nn.Module, reader, **columns) -> dict:
@@ -313,8 +319,9 @@ class CollectiveUpdater(LocalUpdater):
         broadcast_parameters(dense)  # the replicas start equal
         self.reducer = DenseAllReduce(dense, overlap=overlap)
         if not shard_embeddings(model):  # on the host: a rank moves only its shard to the GPU
-            raise ConfigError("collective training shards the model's EmbeddingCollections: this model has none "
-                              "(--embedding torch keeps nn.Embedding tables: give --embedding variable or fused)")
+            raise ConfigError("collective training shards the model's EmbeddingCollections and EmbeddingVariables: "
+                              "this model has none (--embedding torch keeps nn.Embedding tables: give --embedding "
+                              "variable or fused)")
         self.optimizer.lookups = [m for m in model.modules() if isinstance(m, ShardedLookup)]
         for lookup in self.optimizer.lookups:
             lookup.fused = False  # rows updated in apply, after the finite check

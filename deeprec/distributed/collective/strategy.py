@@ -1,8 +1,9 @@
 """Collective training (a torchrun rank) as a `Strategy` (deeprec.runtime.strategy).
 
-    rank r of N ──reads its share──> CollectiveUpdater: EmbeddingCollections sharded by all-to-all,
-    dense gradients all-reduced; checkpoints per rank (rank-r-of-N/), resharded onto another N (onto
-    one process: read_one_process, for deeprec evaluate and export);
+    rank r of N ──reads its share──> CollectiveUpdater: EmbeddingCollections and free EmbeddingVariables
+    (your own model's ev(ids)) sharded by all-to-all, dense gradients all-reduced; checkpoints per rank
+    (rank-r-of-N/), resharded onto another N (onto one process: read_one_process, for deeprec evaluate
+    and export);
     evaluation: every rank its share of the evaluation data, in lockstep, metrics all-reduced
 """
 from __future__ import annotations
@@ -58,17 +59,7 @@ class Collective(Strategy):
 
     def prepare(self, model: nn.Module, cfg, device: torch.device):
         from deeprec.distributed.collective.sharded import CollectiveUpdater
-        from deeprec.nn.collection import EmbeddingCollection
-        from deeprec.nn.variable import EmbeddingVariable
 
-        in_collections = {id(ev) for c in model.modules() if isinstance(c, EmbeddingCollection)
-                          for ev in c.modules() if isinstance(ev, EmbeddingVariable)}
-        free = [n for n, m in model.named_modules() if isinstance(m, EmbeddingVariable) and id(m) not in in_collections]
-        if free:
-            raise ConfigError(f"collective training shards EmbeddingCollections; {', '.join(free)} "
-                              "is a free EmbeddingVariable, which is not sharded: put it in a dr.EmbeddingCollection "
-                              "(EmbeddingFeature(name, num_embeddings=None)), or train it on parameter servers "
-                              "(deeprec launch --ps 1 --workers N)")
         updater = CollectiveUpdater(model, cfg.optimizer.name, cfg.optimizer.lr, self.rank, self.world_size, device,
                                     overlap=cfg.optimize.micro_batch_num == 1,  # micro-batches: after the last
                                     timeout_s=cfg.distributed.collective_timeout)
