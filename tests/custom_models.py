@@ -217,3 +217,46 @@ def behavior_batch(rows: int = 24, seed: int = 0) -> dict:
             "user_id": torch.randint(0, 1000, (rows,), generator=g),
             "item_id": torch.randint(0, 60, (rows,), generator=g),
             "hist_items": dr.Ragged(torch.randint(0, 60, (int(offsets[-1]),), generator=g), offsets)}
+
+
+class SharedNames(nn.Module):
+    """One EmbeddingVariable registered under two names of a ModuleDict (C1 and C2 draw from one
+    vocabulary), as a user shares a table between two features."""
+
+    def __init__(self):
+        super().__init__()
+        shared = dr.EmbeddingVariable(DIM, name="C1_C2")
+        self.evs = nn.ModuleDict({"C1": shared, "C2": shared})
+        self.head = nn.Linear(2 * DIM + 3, 1)
+
+    def forward(self, batch):
+        keys = dr.ops.string_to_hash_key([batch["C1"], batch["C2"]])
+        x = torch.cat([self.evs["C1"](keys[0]), self.evs["C2"](keys[1]), _dense(batch)], 1)
+        return _click(self.head(x).squeeze(1), batch)
+
+
+class MixedEmbeddings(nn.Module):
+    """Every kind of embedding a user writes, in one model: an EmbeddingVariable shared under two
+    names (C1 and C2); an EmbeddingVariable over a crossed feature (C3 x C4, hashed to 62 bits); a
+    plain nn.Embedding over hash buckets (C5); a dense value bucketized (I1, missing -> bucket 0),
+    embedded; the log of the first dense columns."""
+
+    boundaries = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
+
+    def __init__(self, buckets: int = 200):
+        super().__init__()
+        self.buckets = buckets
+        shared = dr.EmbeddingVariable(DIM, name="C1_C2")
+        self.evs = nn.ModuleDict({"C1": shared, "C2": shared, "C3_X_C4": dr.EmbeddingVariable(DIM, name="C3_X_C4")})
+        self.hashed = nn.Embedding(buckets, DIM)
+        self.counts = nn.Embedding(len(self.boundaries) + 1, DIM)
+        self.mlp = nn.Sequential(nn.Linear(5 * DIM + 3, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, batch):
+        c1, c2 = dr.ops.string_to_hash_key([batch["C1"], batch["C2"]])
+        crossed = dr.ops.cross_hash_bucket([batch["C3"], batch["C4"]], 2**62)
+        c5 = dr.ops.string_to_hash_bucket(batch["C5"], self.buckets)
+        i1 = dr.ops.bucketize(dr.ops.fill_missing(batch["I1"], -1.0), self.boundaries)
+        x = torch.cat([self.evs["C1"](c1), self.evs["C2"](c2), self.evs["C3_X_C4"](crossed), self.hashed(c5),
+                       self.counts(i1), _dense(batch)], 1)
+        return _click(self.mlp(x).squeeze(1), batch)
