@@ -182,9 +182,60 @@ void sparse_adam_(at::Tensor& weight, at::Tensor& exp_avg, at::Tensor& exp_avg_s
   });
 }
 
+// The EmbeddingVariables' fused apply: one optimizer step over the rows of many variables (a
+// collection's, from one backward), each variable's rows then stamped with the step and marked
+// dirty (incremental checkpoints, serving deltas). grad holds every part's rows in order.
+//   optimizer "sgd": slots none, hyper (lr); "adagrad": (accumulator), (lr, eps);
+//   "adam": (exp_avg, exp_avg_sq[, row_step]), (lr, beta1, beta2, eps)
+void ev_apply_(c10::string_view optimizer, std::vector<at::Tensor> weights, std::vector<at::Tensor> slots,
+               std::vector<at::Tensor> versions, std::vector<at::Tensor> dirty, const std::vector<at::Tensor>& rows,
+               const at::Tensor& grad, at::ArrayRef<double> hyper, int64_t step) {
+  const size_t parts = weights.size();
+  TORCH_CHECK(versions.size() == parts && dirty.size() == parts && rows.size() == parts,
+              "ev_apply_: weights, versions, dirty and rows must have one entry per variable");
+  TORCH_CHECK(parts == 0 || slots.size() % parts == 0, "ev_apply_: every variable must give the same slots");
+  const size_t k = parts ? slots.size() / parts : 0;
+  const bool sgd = optimizer == "sgd", adagrad = optimizer == "adagrad", adam = optimizer == "adam";
+  TORCH_CHECK((sgd && k == 0 && hyper.size() == 1) || (adagrad && k == 1 && hyper.size() == 2) ||
+                  (adam && (k == 2 || k == 3) && hyper.size() == 4),
+              "ev_apply_: optimizer must be sgd (no slot, lr), adagrad (1 slot, lr, eps) or adam (2-3 slots, lr, "
+              "beta1, beta2, eps); got ", optimizer, " with ", k, " slots and ", hyper.size(), " values");
+  int64_t offset = 0;
+  for (size_t p = 0; p < parts; ++p) {
+    const int64_t n = rows[p].numel();
+    TORCH_CHECK(offset + n <= grad.size(0), "ev_apply_: grad has fewer rows than the variables' rows");
+    const at::Tensor g = grad.narrow(0, offset, n);
+    offset += n;
+    if (n == 0) continue;
+    if (sgd) {
+      sparse_sgd_(weights[p], rows[p], g, hyper[0]);
+    } else if (adagrad) {
+      sparse_adagrad_(weights[p], slots[p], rows[p], g, hyper[0], hyper[1]);
+    } else {
+      const c10::optional<at::Tensor> row_step = k == 3 ? c10::optional<at::Tensor>(slots[3 * p + 2]) : c10::nullopt;
+      sparse_adam_(weights[p], slots[k * p], slots[k * p + 1], row_step, rows[p], g, hyper[0], hyper[1], hyper[2],
+                   hyper[3], step);
+    }
+    TORCH_CHECK(versions[p].scalar_type() == at::kLong && dirty[p].scalar_type() == at::kBool &&
+                    versions[p].is_contiguous() && dirty[p].is_contiguous() &&
+                    versions[p].numel() >= weights[p].size(0) && dirty[p].numel() >= weights[p].size(0),
+                "ev_apply_: version (int64) and dirty (bool) must be contiguous, one per row");
+    int64_t* version = versions[p].data_ptr<int64_t>();
+    bool* flag = dirty[p].data_ptr<bool>();
+    const int64_t* r = rows[p].data_ptr<int64_t>();  // checked in range by the update
+    for (int64_t i = 0; i < n; ++i) {
+      version[r[i]] = step;
+      flag[r[i]] = true;
+    }
+  }
+  TORCH_CHECK(offset == grad.size(0), "ev_apply_: grad has more rows than the variables' rows");
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(deeprec, m) {
+  m.def("ev_apply_(str optimizer, Tensor(a!)[] weights, Tensor(b!)[] slots, Tensor(c!)[] versions, "
+        "Tensor(d!)[] dirty, Tensor[] rows, Tensor grad, float[] hyper, int step) -> ()");
   m.def("sparse_sgd_(Tensor(a!) weight, Tensor rows, Tensor grad, float lr) -> ()");
   m.def("sparse_adagrad_(Tensor(a!) weight, Tensor(b!) acc, Tensor rows, Tensor grad, float lr, float eps) -> ()");
   m.def("sparse_adam_(Tensor(a!) weight, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor(d!)? row_step, "
@@ -192,6 +243,7 @@ TORCH_LIBRARY_FRAGMENT(deeprec, m) {
 }
 
 TORCH_LIBRARY_IMPL(deeprec, CPU, m) {
+  m.impl("ev_apply_", ev_apply_);
   m.impl("sparse_sgd_", sparse_sgd_);
   m.impl("sparse_adagrad_", sparse_adagrad_);
   m.impl("sparse_adam_", sparse_adam_);

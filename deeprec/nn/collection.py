@@ -29,8 +29,10 @@ from deeprec.nn.lookup import (COMBINERS, EmbeddingLookup, RowGather, assemble, 
                                 prepare_bags)
 from deeprec.nn.options import EmbeddingVariableOption
 from deeprec.nn.tiered import embedding_variable
-from deeprec.nn.variable import Gathered, lookup_variables
+from deeprec.nn.variable import Gathered, apply_variables, lookup_variables
 from deeprec.ragged import Ragged
+
+_NO_ROWS = torch.empty(0, dtype=torch.int64)
 
 
 @dataclass
@@ -121,6 +123,15 @@ class FusedLookup(EmbeddingLookup):
         else:
             self._pending.append((part, rows, grad, generation))
 
+    def _receive_variables(self, _, grad: torch.Tensor, found: list) -> None:
+        """The gradient of every EmbeddingVariable's rows of one lookup, split per variable (the
+        first begins the optimizer step): one fused apply where it can."""
+        if self.fused and self.optimizer is not None and apply_variables(self.optimizer, list(self.variables),
+                                                                          found, grad):
+            return
+        for part, ((rows, generation), part_grad) in enumerate(zip(found, grad.split([r.numel() for r, _ in found]))):
+            self._receive(part, rows, part_grad, begin=part == 0, generation=generation)
+
     def _apply_rows(self, part: int, rows: torch.Tensor, grad: torch.Tensor, unique: bool = True,
                     generation: int | None = None) -> None:
         """`unique`: the rows of one lookup are distinct already (per-table unique
@@ -191,20 +202,11 @@ class FusedLookup(EmbeddingLookup):
         if uniques and uniques[0].device != home:  # tables on the host, the step on a GPU (deeprec.runtime.device)
             uniques, counts = [u.to(home) for u in uniques], [c.to(home) for c in counts]
         if all(self.dynamic):
-            gathered, began = [], []  # the first table's gradient of this backward begins the optimizer step
-
-            def sink(r, g, part, generation):
-                self._receive(part, r, g, begin=not began, generation=generation)
-                began.append(part)
-
-            found = lookup_variables(list(self.variables), uniques, counts, self.training)  # one native call
-            for part, (rows, values, generation) in enumerate(found):  # freq counts every occurrence
-                if not (self.training and torch.is_grad_enabled()):
-                    gathered.append(values)  # no gradient to route (and what an exported program holds)
-                    continue
-                gathered.append(RowGather.apply(self._token, Gathered(values), rows,
-                                                functools.partial(sink, part=part, generation=generation)))
-            rows_values = torch.cat(gathered)
+            # one native call: keys found or inserted, freq counting every occurrence, rows gathered
+            rows_values, found = lookup_variables(list(self.variables), uniques, counts, self.training)
+            if self.training and torch.is_grad_enabled():  # one autograd node for every variable
+                rows_values = RowGather.apply(self._token, Gathered(rows_values), _NO_ROWS,
+                                              functools.partial(self._receive_variables, found=found))
         else:
             keys = torch.cat(uniques)
             counts = torch.tensor([k.numel() for k in uniques], device=keys.device)

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from deeprec.errors import ConfigError
-from deeprec.nn.key_index import KeyIndex, find_rows
+from deeprec.nn.key_index import KeyIndex
 from deeprec.nn.lookup import EmbeddingLookup, RowGather, merge_rows
 from deeprec.nn.options import CBFFilter, CounterFilter, EmbeddingVariableOption, GlobalStepEvict, L2WeightEvict
 
@@ -149,9 +149,9 @@ class EmbeddingVariable(EmbeddingLookup):
         flat = ids.reshape(-1).to(torch.int64).cpu()  # a host table
         if self._kept_grads and not self._deferred and self.training:
             self.check_applied()
-        if self.native_path:  # one native call: dedup, find or insert, count
-            [(rows, values, generation, inverse)] = _native_lookup([self], [flat.contiguous()], [None],
-                                                                    self.training, dedup=True)
+        if self.native_path:  # one native call: dedup, find or insert, count, gather
+            values, [(rows, generation, inverse)] = _native_lookup([self], [flat.contiguous()], [None],
+                                                                   self.training, dedup=True)
         else:
             keys, inverse, counts = torch.unique(flat, return_inverse=True, return_counts=True)
             rows, values, generation = self.lookup(keys, counts, train=self.training)
@@ -166,7 +166,7 @@ class EmbeddingVariable(EmbeddingLookup):
         """(rows, their values, generation) of `keys`, found and read under one lock hold, so
         a concurrent save's compaction cannot move the rows in between."""
         if self.native_path:
-            [(rows, values, generation, _)] = _native_lookup([self], [keys.to(torch.int64).contiguous()], [counts],
+            values, [(rows, generation, _)] = _native_lookup([self], [keys.to(torch.int64).contiguous()], [counts],
                                                              train, dedup=False)
             return rows, values, generation
         with self._lock:
@@ -369,16 +369,6 @@ class EmbeddingVariable(EmbeddingLookup):
             out[missing] = self._no_permission
         return out
 
-    def _init_new_rows(self, n: int) -> None:
-        """The n rows a native insert just created past `size` (keys and freq written): their
-        initial values, version and dirty flag (their slots are at their initial values)."""
-        new = slice(self.size, self.size + n)
-        torch.index_select(self._defaults, 0, torch.remainder(self.keys[new], self._defaults.shape[0]),
-                           out=self.weight[new])
-        self.version[new] = self.global_step
-        self.dirty[new] = True
-        self.size += n
-
     def current_rows(self, rows: torch.Tensor, generation: int | None) -> torch.Tensor:
         """Rows of generation `generation` renumbered into the current one (-1: evicted since,
         or too many compactions ago to tell). Call under the lock."""
@@ -401,11 +391,12 @@ class EmbeddingVariable(EmbeddingLookup):
         keys not admitted, or evicted since the lookup, receive none."""
         with self._lock:
             rows = self.current_rows(rows, generation)
-            keep = rows >= 0
-            rows, grad = rows[keep], grad[keep]
+            if bool((rows < 0).any()):
+                keep = rows >= 0
+                rows, grad = rows[keep], grad[keep]
             optimizer.update(self.weight, self.slots, rows, grad)
-            self.version[rows] = self.global_step
-            self.dirty[rows] = True
+            self.version.index_fill_(0, rows, self.global_step)
+            self.dirty.index_fill_(0, rows, True)
 
     # -- eviction and checkpoints ------------------------------------------------------
     def evict(self) -> int:
@@ -512,41 +503,62 @@ class EmbeddingVariable(EmbeddingLookup):
         return per_row + self._index.nbytes() / max(self.size, 1)
 
 
-_NO_FREQ = torch.empty(0, dtype=torch.int64)
+_NONE = torch.empty(0, dtype=torch.int64)
 
 
 def _native_lookup(evs: list[EmbeddingVariable], keys: list[torch.Tensor], counts: list, train: bool, dedup: bool):
-    """[(rows, values, generation, inverse)] of variables on the native path, in one op call with
-    every variable's lock held: keys found or (in training) inserted, frequencies counted."""
+    """(values [places of all variables, dim], [(rows, generation, inverse)] per variable) of variables on
+    the native path, in one op call with every variable's lock held (deeprec/csrc/ev_lookup.cpp): keys
+    found or (in training) inserted with their initial values, frequencies counted, rows gathered."""
     with contextlib.ExitStack() as held:
         for ev in evs:
             held.enter_context(ev._lock)
         if train:  # room for every key to be new
             for ev, part in zip(evs, keys):
                 ev._grow(ev.size + part.numel())
-        counts = [None if c is None else c.to(torch.int64).contiguous() for c in counts]
-        rows, inverse, fresh, stats = find_rows([ev._index for ev in evs], [ev.keys for ev in evs],
-                                                [ev.freq if train else _NO_FREQ for ev in evs], keys, counts,
-                                                [ev.size for ev in evs], insert=train, dedup=dedup)
-        out = []
-        for ev, part_rows, part_inverse, part_fresh, (missing, _, _) in zip(evs, rows, inverse, fresh, stats.tolist()):
-            if part_fresh.numel():
-                ev._init_new_rows(part_fresh.numel())
-            out.append((part_rows, ev.gather(part_rows, missing=missing > 0), ev.generation, part_inverse))
-        return out
+                ev._index.reserve(part.numel())
+        values, rows, inverse, stats = torch.ops.deeprec.ev_lookup(
+            [ev._index.table for ev in evs], [ev.keys for ev in evs], [ev.freq for ev in evs],
+            [ev.weight for ev in evs], [ev.version for ev in evs], [ev.dirty for ev in evs],
+            [ev._defaults for ev in evs], keys, [_NONE if c is None else c.to(torch.int64).contiguous() for c in counts],
+            [ev.size for ev in evs], [ev.global_step for ev in evs], [ev._no_permission for ev in evs], train, dedup)
+        if train:
+            for ev, created in zip(evs, stats[:, 3].tolist()):
+                ev.size += created
+                ev._index.entries += created
+        return values, [(r, ev.generation, i) for ev, r, i in zip(evs, rows, inverse)]
 
 
 def lookup_variables(evs: list[EmbeddingVariable], keys: list[torch.Tensor], counts: list, train: bool):
-    """[(rows, values, generation)] of each variable's keys (distinct per variable): those on the
-    native path in one op call, the others (admission filters, tiers) each by its own lookup."""
-    native = [i for i, ev in enumerate(evs) if ev.native_path]
-    out = [None] * len(evs)
-    if native and len({id(evs[i]) for i in native}) == len(native):  # a variable twice: one call each
-        found = _native_lookup([evs[i] for i in native], [keys[i].to(torch.int64).contiguous() for i in native],
-                               [counts[i] for i in native], train, dedup=False)
-        for i, (rows, values, generation, _) in zip(native, found):
-            out[i] = rows, values, generation
-    for i, ev in enumerate(evs):
-        if out[i] is None:
-            out[i] = ev.lookup(keys[i], counts[i], train=train)
-    return out
+    """(values [every variable's keys, dim], [(rows, generation)] per variable) of each variable's keys
+    (distinct per variable): one native call when every variable is on the native path, else each
+    variable's own lookup (admission filters, tiers)."""
+    keys = [k.to(torch.int64).contiguous() for k in keys]
+    if all(ev.native_path for ev in evs) and len({id(ev) for ev in evs}) == len(evs):
+        values, found = _native_lookup(evs, keys, counts, train, dedup=False)
+        return values, [(rows, generation) for rows, generation, _ in found]
+    found = [ev.lookup(k, c, train=train) for ev, k, c in zip(evs, keys, counts)]
+    return torch.cat([values for _, values, _ in found]), [(rows, generation) for rows, _, generation in found]
+
+
+def apply_variables(optimizer, evs: list[EmbeddingVariable], found: list, grad: torch.Tensor) -> bool:
+    """One optimizer step over the rows [(rows, generation)] of many variables' lookup (grad: their
+    rows in order), in one op call (deeprec::ev_apply_) that also stamps each row's version and
+    dirty flag. Returns False, doing nothing, where it cannot: a variable off the native path or
+    given twice, rows renumbered since the lookup, or an optimizer without a fused kernel."""
+    spec = optimizer.fused()
+    if spec is None or not all(ev.native_path for ev in evs) or len({id(ev) for ev in evs}) < len(evs):
+        return False
+    kind, slot_names, hyper = spec
+    with contextlib.ExitStack() as held:
+        for ev in evs:
+            held.enter_context(ev._lock)
+        if any(ev.generation != generation for ev, (_, generation) in zip(evs, found)):
+            return False
+        optimizer.begin_step()
+        for ev in evs:
+            ev.global_step = optimizer.step_count
+        torch.ops.deeprec.ev_apply_(kind, [ev.weight for ev in evs], [ev.slots[n] for ev in evs for n in slot_names],
+                                    [ev.version for ev in evs], [ev.dirty for ev in evs], [r for r, _ in found],
+                                    grad.contiguous(), hyper, optimizer.step_count)
+        return True

@@ -50,6 +50,16 @@ def _(tables, row_keys, freqs, ns, keys, counts, sizes, insert, dedup):
     return rows, inverse, fresh, keys[0].new_empty(len(keys), 3)
 
 
+@torch.library.register_fake("deeprec::ev_lookup")
+def _(tables, row_keys, freqs, weights, versions, dirty, defaults, keys, counts, sizes, steps, no_permission,
+      insert, dedup):
+    ctx = torch.library.get_ctx()
+    rows = [k.new_empty(ctx.new_dynamic_size() if dedup else k.shape[0]) for k in keys]
+    inverse = [k.new_empty(k.shape[0] if dedup else 0) for k in keys]
+    values = weights[0].new_empty(ctx.new_dynamic_size(), weights[0].shape[1])
+    return values, rows, inverse, keys[0].new_empty(len(keys), 4)
+
+
 @torch.library.register_fake("deeprec::key_index_assign")
 def _(table, ns, keys, rows):
     return torch.library.get_ctx().new_dynamic_size()
@@ -70,6 +80,11 @@ def _(table):
     ctx = torch.library.get_ctx()
     n = ctx.new_dynamic_size()
     return table.new_empty(n), table.new_empty(n), table.new_empty(n)
+
+
+@torch.library.register_fake("deeprec::ev_apply_")
+def _(optimizer, weights, slots, versions, dirty, rows, grad, hyper, step):
+    return None
 
 
 @torch.library.register_fake("deeprec::sparse_sgd_")

@@ -56,6 +56,11 @@ class RowSparseOptimizer:
     def update(self, weight: torch.Tensor, slots: dict, rows: torch.Tensor, grad: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def fused(self) -> tuple[str, list[str], list[float]] | None:
+        """(kernel, slot names, hyper-parameters) of deeprec::ev_apply_, which updates many
+        EmbeddingVariables in one call; None: this optimizer has no such kernel."""
+        return None
+
     def state_dict(self) -> dict:
         return {"step_count": self.step_count}
 
@@ -67,6 +72,9 @@ class SGD(RowSparseOptimizer):
     def update(self, weight, slots, rows, grad):
         torch.ops.deeprec.sparse_sgd_(weight, rows, grad.contiguous(), self.lr)
 
+    def fused(self):
+        return "sgd", [], [self.lr]
+
 
 class Adagrad(RowSparseOptimizer):
     def __init__(self, lr: float = 0.01, initial_accumulator_value: float = 0.1, eps: float = 1e-10):
@@ -76,6 +84,9 @@ class Adagrad(RowSparseOptimizer):
 
     def update(self, weight, slots, rows, grad):
         torch.ops.deeprec.sparse_adagrad_(weight, slots["accumulator"], rows, grad.contiguous(), self.lr, self.eps)
+
+    def fused(self):
+        return "adagrad", ["accumulator"], [self.lr, self.eps]
 
 
 class Adam(RowSparseOptimizer):
@@ -87,6 +98,9 @@ class Adam(RowSparseOptimizer):
     def update(self, weight, slots, rows, grad):
         torch.ops.deeprec.sparse_adam_(weight, slots["exp_avg"], slots["exp_avg_sq"], slots.get("row_step"), rows,
                                        grad.contiguous(), self.lr, *self.betas, self.eps, self.step_count)
+
+    def fused(self):
+        return "adam", ["exp_avg", "exp_avg_sq", *self.row_slots], [self.lr, *self.betas, self.eps]
 
 
 class AdamAsync(Adam):
