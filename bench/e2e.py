@@ -35,7 +35,7 @@ import torch
 
 from _common import cpu_line, print_table, save_figure, save_json, synthetic_criteo
 import deeprec as dr
-from deeprec.data import CriteoReader
+from deeprec.data import KAGGLE_CARDINALITIES, CriteoReader
 from deeprec.models import build_model
 from deeprec.optim import make_optimizer
 from deeprec.trainer import TrainConfig, Trainer
@@ -154,13 +154,38 @@ def _faults_child(data: str, steps: int) -> str:
     return json.dumps({"minor_faults_per_step": faults / steps, "samples_per_s": steps * 512 / elapsed})
 
 
+def embedding_kinds(data: str, steps: int, rounds: int) -> dict:
+    """`deeprec train` of DLRM at Criteo-Kaggle cardinalities (33.8M rows), --embedding table (hashed
+    tables that large) vs --embedding variable (an EmbeddingVariable per column: only the keys seen),
+    the two alternating over rounds; samples/s after the warm-up."""
+    kinds = {"--embedding table": "table", "--embedding variable": "variable"}
+    rates = {name: [] for name in kinds}
+    for _ in range(rounds):
+        for name, kind in kinds.items():
+            rates[name].append(train_rate(data, steps + 50, embedding=kind,
+                                          model_overrides={"hash_buckets": list(KAGGLE_CARDINALITIES)})[0])
+    median = {name: statistics.median(r) for name, r in rates.items()}
+    ratio = median["--embedding variable"] / median["--embedding table"]
+    print_table(f"DLRM, Kaggle cardinalities, deeprec train, batch 512, Adagrad ({cpu_line()})",
+                ["embedding", "samples/s", "per round"],
+                [[name, f"{median[name]:,.0f}", " ".join(f"{r:,.0f}" for r in rates[name])] for name in kinds])
+    print(f"variable >= 1.0 x table: {ratio:.2f}")
+    return {"samples_per_s": rates, "median": median, "variable_vs_table": ratio}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=400_000)
     parser.add_argument("--steps", type=int, default=250, help="steady-state steps per variant per round")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--embedding-only", action="store_true",
+                        help="only the embedding kinds (table vs variable at Kaggle cardinalities)")
     args = parser.parse_args()
     data = synthetic_criteo(args.rows)
+    kinds = embedding_kinds(data, args.steps, args.rounds + 1)
+    if args.embedding_only:
+        print("saved", save_json("e2e_embedding", {"rows": args.rows, "steps": args.steps, **kinds}))
+        return
     total = args.steps + 50
     variants = {
         "step alone": lambda: step_alone_rate(data, args.steps),
@@ -204,7 +229,7 @@ def main() -> None:
     print("auto:", auto)
     print("saved", save_json("e2e", {"rows": args.rows, "steps": args.steps, "rounds": args.rounds,
                                      "samples_per_s": rates, "median": median, "ratios": targets,
-                                     "auto_decision": auto, "page_faults": faults}))
+                                     "auto_decision": auto, "page_faults": faults, "embedding_kinds": kinds}))
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -83,3 +83,23 @@ def test_a_free_variables_native_forward_dedups_in_one_call_and_equals_the_per_v
     probe = torch.tensor([[3, 1000, 3]])
     assert torch.equal(fast(probe), slow(probe))
     assert torch.equal(fast(probe)[0, 1], torch.zeros(3))  # unseen: default_value_no_permission
+
+
+def test_counting_bloom_filter_positions_equal_uint64_splitmix64():
+    """The filter's positions, computed in torch int64 ops, are those of the uint64 arithmetic
+    (numpy here as the reference), negative keys and huge moduli included."""
+    import numpy as np
+
+    from deeprec.nn.variable import _mix64_mod
+
+    def reference(x, salt, m):
+        x = x.astype(np.uint64) + np.uint64((0x9E3779B97F4A7C15 * (salt + 1)) & 0xFFFFFFFFFFFFFFFF)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return ((x ^ (x >> np.uint64(31))) % np.uint64(m)).astype(np.int64)
+
+    keys = torch.cat([torch.randint(-2**63, 2**63 - 1, (20_000,), generator=torch.Generator().manual_seed(3)),
+                      torch.arange(-50, 50)])
+    for m in (7, 1000, 2**20 + 3, 12_345_678_901):
+        for salt in range(3):
+            assert np.array_equal(_mix64_mod(keys, salt, m).numpy(), reference(keys.numpy(), salt, m)), (m, salt)

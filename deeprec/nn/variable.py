@@ -32,7 +32,6 @@ import contextlib
 import functools
 import threading
 
-import numpy as np
 import torch
 
 from deeprec.errors import ConfigError
@@ -73,11 +72,24 @@ class Gathered:
 MAX_GENERATIONS = 8  # row maps kept: an update older than this many compactions is dropped
 
 
-def _mix64(x: np.ndarray, salt: int) -> np.ndarray:
-    x = x.astype(np.uint64) + np.uint64((0x9E3779B97F4A7C15 * (salt + 1)) & 0xFFFFFFFFFFFFFFFF)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x >> k of the uint64 whose bits int64 x holds (a logical shift)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix64_mod(x: torch.Tensor, salt: int, m: int) -> torch.Tensor:
+    """splitmix64's finalizer of (x + salt constant) modulo m, in uint64 arithmetic on int64 bits
+    (torch ops, no numpy): the counting Bloom filter's j-th position of each key."""
+    x = x + _signed((0x9E3779B97F4A7C15 * (salt + 1)) & 0xFFFFFFFFFFFFFFFF)
+    x = (x ^ _shr(x, 30)) * _signed(0xBF58476D1CE4E5B9)
+    x = (x ^ _shr(x, 27)) * _signed(0x94D049BB133111EB)
+    x = x ^ _shr(x, 31)
+    # the unsigned value is x + 2^64 where x < 0
+    return torch.where(x < 0, torch.remainder(torch.remainder(x, m) + (1 << 64) % m, m), torch.remainder(x, m))
 
 
 def _grown(t: torch.Tensor, size: int) -> torch.Tensor:
@@ -318,8 +330,7 @@ class EmbeddingVariable(EmbeddingLookup):
                 slots[new] = fresh
             self._pending_counts.index_add_(0, slots, counts)
             return self._pending_counts[slots] >= f.filter_freq
-        positions = torch.stack([torch.from_numpy((_mix64(keys.numpy(), j) % np.uint64(self._cbf.numel()))
-                                                  .astype(np.int64)) for j in range(self._cbf_hashes)])
+        positions = torch.stack([_mix64_mod(keys, j, self._cbf.numel()) for j in range(self._cbf_hashes)])
         for j in range(self._cbf_hashes):
             self._cbf.index_add_(0, positions[j], counts.to(self._cbf.dtype))
         return self._cbf[positions].min(dim=0).values >= f.filter_freq
