@@ -124,7 +124,14 @@ def load_checkpoint(path: str) -> dict:
 
 def load_model_weights(model: torch.nn.Module, state: dict) -> None:
     """Load a checkpoint's model state for inference: optimizer slots stored with
-    the embeddings are skipped when `model` has no optimizer attached."""
+    the embeddings are skipped when `model` has no optimizer attached. A module registered under
+    several names (an EmbeddingVariable shared by two features) loads from whichever the state holds."""
+    from deeprec.nn.shared import state_under_every_name
+
+    try:
+        state = state_under_every_name(model, state)
+    except ValueError as err:
+        raise RuntimeError(f"checkpoint does not fit the model: {err}") from None
     result = model.load_state_dict(state, strict=False)
     unexpected = [k for k in result.unexpected_keys if ".slot_" not in k]
     if result.missing_keys or unexpected:

@@ -111,7 +111,9 @@ class ServedModel:
     def load_tables(self, file: str) -> None:
         """The weights from a safetensors file (the export's, or a newer one of the same shapes);
         refused (ServingError) if any value is not finite."""
-        tensors = load_file(file)
+        from deeprec.serving.frozen import tie_shared
+
+        tensors = tie_shared(self.module, self.manifest.get("shared", {}), load_file(file))  # older exports: {}
         check_finite(tensors, file)
         result = self.module.load_state_dict(tensors, strict=False)
         if result.missing_keys:

@@ -8,7 +8,9 @@
       program.cpu.pt2      the program compiled by AOTInductor (serving.compiled), no weights:
                            serving binds those of tables.safetensors (`compile=False`: not written)
       program.cuda.pt2     the same for CUDA, where a GPU is present
-      manifest.json        format, model, step, schema, label columns, compiled devices, sha256 of each file
+      manifest.json        format, model, step, schema, label columns, compiled devices, sha256 of each file,
+                           the names of modules and tensors registered under several names (a shared
+                           EmbeddingVariable: stored once, tied again on loading; serving.frozen.shared_names)
 
 The batch dimension is dynamic (traced on a 5-row batch with uneven bags and sequences);
 serving pads a 1-row request to 2 rows, as torch.export specializes sizes 0 and 1.
@@ -36,7 +38,7 @@ from deeprec.errors import ConfigError
 from deeprec.data.schema import Schema, schema_to_dict
 from deeprec.progress import progress as show_progress
 from deeprec.serving.compiled import cpu_flags, package_name
-from deeprec.serving.frozen import freeze_variables
+from deeprec.serving.frozen import freeze_variables, shared_names
 
 FORMAT = 1
 PROGRAM, TABLES, MANIFEST = "program.pt2", "tables.safetensors", "manifest.json"
@@ -94,7 +96,7 @@ def export(model: torch.nn.Module, path: str, *, schema: Schema | None = None, m
         with torch.no_grad():
             program = torch.export.export(frozen, (batch,), dynamic_shapes=_dynamic_shapes(batch), strict=False)
         shown.stage(STAGES[2])
-        _write(program, model, path, schema, batch, model_name, step, shown, frozen if compile else None)
+        _write(program, model, path, schema, batch, model_name, step, shown, frozen, compile)
     return path
 
 
@@ -142,7 +144,7 @@ def _write_manifest(staging: str, manifest: dict) -> None:
 
 
 def _write(program, model, path: str, schema: Schema, batch: dict, model_name, step: int, shown,
-           frozen=None) -> None:
+           frozen: torch.nn.Module, compile: bool = True) -> None:
     """The export's files into a staging folder, then swapped in for `path` (replace_dir)."""
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
@@ -151,14 +153,15 @@ def _write(program, model, path: str, schema: Schema, batch: dict, model_name, s
         torch.export.save(program, os.path.join(staging, PROGRAM))
         shown.stage(STAGES[3])
         tensors = {**program.state_dict, **{k: v for k, v in program.constants.items() if isinstance(v, torch.Tensor)}}
+        tensors, shared = shared_names(frozen, tensors)  # a module under several names: stored once
         save_file({k: v.detach().contiguous() for k, v in tensors.items()}, os.path.join(staging, TABLES))
         compiled = []
-        if frozen is not None:
+        if compile:
             shown.stage(STAGES[4])
             compiled = _compile(frozen, program, batch, staging)
         manifest = {"format": FORMAT, "model": model_name or type(model).__name__.lower(), "step": int(step),
                     "schema": schema_to_dict(schema), "labels": list(getattr(model, "label_columns", ("label",))),
-                    "inputs": sorted(batch), "compiled": compiled,
+                    "inputs": sorted(batch), "compiled": compiled, "shared": shared,
                     "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the ISA the .so's kernels use
                     "cpu_flags": cpu_flags(),  # -march=native: the package may use any of them
                     "deeprec": deeprec.__version__, "torch": torch.__version__}

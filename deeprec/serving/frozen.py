@@ -75,12 +75,44 @@ def merged(sorted_keys: torch.Tensor, table: torch.Tensor, keys: torch.Tensor, v
 
 
 def freeze_variables(model: nn.Module) -> int:
-    """Replace every EmbeddingVariable of `model` (in place) by its frozen form; returns how many."""
+    """Replace every EmbeddingVariable of `model` (in place) by its frozen form; returns how many.
+    One registered under several names (shared by two features) becomes one frozen module, under
+    every name."""
+    from deeprec.nn.shared import replace_module
     from deeprec.nn.variable import EmbeddingVariable
 
-    found = [(name, m) for name, m in model.named_modules() if isinstance(m, EmbeddingVariable)]
-    for name, ev in found:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, FrozenEmbeddingVariable.from_variable(ev))  # a ModuleList's children too
+    found = {id(m): m for _, m in model.named_modules(remove_duplicate=False) if isinstance(m, EmbeddingVariable)}
+    for ev in found.values():
+        replace_module(model, ev, FrozenEmbeddingVariable.from_variable(ev))  # a ModuleList's children too
     return len(found)
+
+
+def shared_names(model: nn.Module, tensors: dict) -> tuple[dict, dict]:
+    """An export's weights with each tensor once, and what `tie_shared` needs to undo that: a module
+    registered under several names (an EmbeddingVariable shared by two features) is one module of
+    the traced program, whose graph reads it by one of its names; safetensors stores a tensor once.
+    Returns (tensors, {"modules": {other name: first name}, "tensors": {other name: kept name}})."""
+    from deeprec.nn.shared import module_paths
+
+    kept, aliases, first = {}, {}, {}
+    for name, t in tensors.items():
+        identity = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if t.numel() and identity in first:
+            aliases[name] = first[identity]
+        else:
+            first.setdefault(identity, name)
+            kept[name] = t
+    modules = {other: paths[0] for paths in module_paths(model).values() if len(paths) > 1 and paths[0]
+               for other in paths[1:]}
+    return kept, {"modules": modules, "tensors": aliases}
+
+
+def tie_shared(module: nn.Module, shared: dict, tensors: dict) -> dict:
+    """A loaded export's module with its shared modules one module again (an online update of one
+    name reaches every name), and `tensors` (its weights as stored) with every name filled in."""
+    for other, name in sorted(shared.get("modules", {}).items(), key=lambda item: item[0].count(".")):
+        parent, _, child = other.rpartition(".")
+        owner = module.get_submodule(parent) if parent else module
+        owner._modules[child] = module.get_submodule(name)
+    return {**tensors, **{other: tensors[name] for other, name in shared.get("tensors", {}).items()
+                         if name in tensors}}

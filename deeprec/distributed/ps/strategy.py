@@ -152,19 +152,21 @@ def one_process_state(model: nn.Module, state: dict) -> dict:
     """A PS chief's checkpoint as the state dict of the one-process `model` (built as trained,
     before any swap): the dense model the worker saved, every EmbeddingVariable's rows from the PSs."""
     from deeprec.distributed.ps.worker import ps_variables
+    from deeprec.nn.shared import module_paths
 
     out = dict(state.get("model") or {})
     snapshot = state["ps"]
     if "dense" in state:  # replicas of dense="allreduce" (older checkpoints hold no "model")
         out.update(state["dense"])
     out.update({k[len("dense/"):]: v for k, v in snapshot.items() if k.startswith("dense/")})  # dense="ps"
-    path_of = {id(m): p for p, m in model.named_modules()}
+    paths_of = module_paths(model)  # an EmbeddingVariable under several names: its rows under each
     for name, ev in ps_variables(model).items():
         prefix = f"emb/{name}/"
         rows = {k[len(prefix):]: v for k, v in snapshot.items() if k.startswith(prefix)}
         if not rows:
             raise ConfigError(f"the PS checkpoint holds no rows of {name!r}: was it written by this model?")
-        out.update({f"{path_of[id(ev)]}.{k}": v for k, v in rows.items()})
+        for path in paths_of[id(ev)]:
+            out.update({f"{path}.{k}": v for k, v in rows.items()})
     for name, value in model.state_dict().items():
         if name not in out and name.endswith("_extra_state"):  # a local lookup's optimizer: on the PSs instead
             out[name] = value
