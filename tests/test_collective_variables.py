@@ -66,20 +66,34 @@ def rows(model: nn.Module) -> dict:
     return {name: ev.export() for name, ev in variables(model).items()}
 
 
-def _rank(rank, port, out_dir, name, micro_batches):
-    from deeprec.distributed.collective.sharded import CollectiveUpdater
+def _rank(rank, port, out_dir, name, mode):
+    """mode "updater": the trainer's CollectiveUpdater (rows updated at the optimizer step, after the
+    finite check), with SmartStage, or micro-batched ("updater-micro"); "ddp": shard_embeddings and
+    DDP by hand (rows updated once the backward is done)."""
+    from deeprec.distributed.collective.sharded import CollectiveUpdater, shard_embeddings
     from deeprec.distributed.collective.variables import ShardedVariable
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
     model = build(name)
     shared_before = {id(m) for n, m in model.named_modules(remove_duplicate=False) if n.startswith("evs.C")}
-    updater = CollectiveUpdater(model, "adagrad", 0.05, rank, WORLD, overlap=micro_batches == 1)
+    if mode == "ddp":
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+        optimizer = make_optimizer(model, "adagrad", 0.05)
+        assert shard_embeddings(model) == len({id(ev) for ev in variables(model).values()})
+        ddp = nn.parallel.DistributedDataParallel(model)
+        for batch in global_batches():
+            ddp(split_batch(batch, WORLD)[rank])["loss"].backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    else:
+        micro = 2 if mode == "updater-micro" else 1
+        updater = CollectiveUpdater(model, "adagrad", 0.05, rank, WORLD, overlap=micro == 1)
+        fast = dr.optimize(model, dr.Config(micro_batch_num=micro, smart_stage=micro == 1))
+        for batch in global_batches():
+            fast.forward_backward(split_batch(batch, WORLD)[rank])
+            updater.apply()
     sharded = {n: m for n, m in model.named_modules(remove_duplicate=False) if isinstance(m, ShardedVariable)}
-    fast = dr.optimize(model, dr.Config(micro_batch_num=micro_batches))
-    for batch in global_batches():
-        fast.forward_backward(split_batch(batch, WORLD)[rank])
-        updater.apply()
     state = model.state_dict()
     torch.save({"rows": rows(model), "dense": {k: v.detach() for k, v in model.named_parameters()},
                 "state_keys": sorted(state), "sharded": sorted(sharded),
@@ -94,10 +108,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("micro_batches", [1, 2])
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_two_ranks_equal_one_process_on_the_global_batch(tmp_path, name, micro_batches):
-    mp.spawn(_rank, args=(_free_port(), str(tmp_path), name, micro_batches), nprocs=WORLD, join=True)
+CASES = [(name, mode) for mode in ("updater", "updater-micro") for name in sorted(MODELS)]
+CASES += [("called_twice", "ddp"), ("shared_names", "ddp")]  # a variable's two lookups: one update
+
+
+@pytest.mark.parametrize("name,mode", CASES)
+def test_two_ranks_equal_one_process_on_the_global_batch(tmp_path, name, mode):
+    mp.spawn(_rank, args=(_free_port(), str(tmp_path), name, mode), nprocs=WORLD, join=True)
     reference = build(name)
     optimizer = make_optimizer(reference, "adagrad", 0.05)
     for batch in global_batches():
