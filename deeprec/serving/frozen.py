@@ -20,6 +20,7 @@ _SENTINEL = torch.iinfo(torch.int64).max  # keeps the index non-empty; never a h
 
 
 class FrozenEmbeddingVariable(nn.Module):
+    native_path = False  # an EmbeddingCollection of frozen variables looks each up by its `lookup`
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, missing_value: float):
         super().__init__()
         sorted_keys, table = sorted_index(keys, values, float(missing_value), with_headroom(keys.shape[0]))
