@@ -35,7 +35,8 @@ MODELS = {
     "two_tower": (cm.TwoTower, 3), "wide_and_deep": (cm.WideAndDeep, 3), "multi_task": (cm.MultiTask, 3),
     "own_op": (cm.OwnOpModel, 2), "hashed_torch_embeddings": (cm.HashedTorchEmbeddings, 2),
     "embedding_collection": (cm.CollectionModel, 1), "sequence_attention": (cm.SequenceAttention, 3),
-    "example_module_dict": (_example_model, 26),
+    "example_module_dict": (_example_model, 26), "shared_names": (cm.SharedNames, 2),
+    "mixed_embeddings": (cm.MixedEmbeddings, 5),
 }
 
 
