@@ -52,8 +52,9 @@ def write_lines(path, lines) -> str:
 
 @pytest.fixture
 def small_model() -> dict:
-    """Overrides that keep DLRM small and fast for tests."""
-    return {"hash_buckets": 1000, "bottom_mlp": (32, 16), "top_mlp": (32,)}
+    """Overrides that keep DLRM small and fast for tests: hashed tables of 1000 rows (the zoo's default,
+    EmbeddingVariables, is what tests with `embedding="variable"` or no override train)."""
+    return {"hash_buckets": 1000, "embedding": "table", "bottom_mlp": (32, 16), "top_mlp": (32,)}
 
 
 os.environ.setdefault("DEEPREC_CACHE", os.path.join(os.path.dirname(__file__), ".cache"))

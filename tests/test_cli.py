@@ -86,7 +86,7 @@ def test_train_with_smart_stage_and_explain(sample, tmp_path, capsys):
     picked = json.loads(auto.read_text())
     assert picked["auto_executor"] in ("off", "thread", "process") and "SmartStage auto picked" in picked["auto"]
     capsys.readouterr()
-    assert main(["explain", "--model", "dlrm"]) == 0
+    assert main(["explain", "--model", "dlrm", "--embedding", "table"]) == 0
     text = capsys.readouterr().out
     assert "string_to_hash_bucket, " in text and "data-side nodes kept in main" in text  # one op, 26 columns
 

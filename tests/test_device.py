@@ -29,7 +29,7 @@ def test_cpu_placement_leaves_model_and_batches_alone(sample):
     from deeprec.data import CriteoReader
     from deeprec.models import build_model
 
-    model = build_model("dlrm", hash_buckets=100)
+    model = build_model("dlrm", hash_buckets=100, embedding="table")
     before = {k: v.data_ptr() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     assert place_model(model, torch.device("cpu")) == []
     assert before == {k: v.data_ptr() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}

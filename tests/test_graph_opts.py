@@ -173,7 +173,7 @@ def test_micro_batches_give_the_full_batch_gradient(sample, n, embedding):
 
 def test_micro_batch_iterate_reads_each_batch_once_and_matches_step(sample):
     torch.manual_seed(0)
-    plain = build_model("dlrm", hash_buckets=500)
+    plain = build_model("dlrm", hash_buckets=500, embedding="table")
     twin = copy.deepcopy(plain)
     cfg = dr.Config(smart_stage=True, micro_batch_num=4, main_threads=torch.get_num_threads())
     fast_step, fast_iter = dr.optimize(plain, dr.Config(micro_batch_num=4)), dr.optimize(twin, cfg)
@@ -209,7 +209,7 @@ def test_micro_batch_larger_than_batch_is_a_clear_error():
 
 
 def test_bf16_runs_matmuls_in_bfloat16_with_fp32_weights(sample):
-    model = build_model("dlrm", hash_buckets=500)
+    model = build_model("dlrm", hash_buckets=500, embedding="table")
     fast = dr.optimize(model, dr.Config(bf16=True))
     batch = next(iter(CriteoReader(sample, batch_size=32)))
     seen = []
@@ -250,7 +250,7 @@ def test_micro_batches_split_sequence_columns(behavior):
     from deeprec.data import PRESETS, CsvReader
 
     torch.manual_seed(0)
-    plain = build_model("din", hash_buckets=3000, batch_norm=False)  # batch statistics differ per micro-batch
+    plain = build_model("din", hash_buckets=3000, batch_norm=False, embedding="table")  # batch statistics differ per micro-batch
     twin = copy.deepcopy(plain)
     fast = dr.optimize(twin, dr.Config(micro_batch_num=3))
     batch = next(iter(CsvReader(behavior[0], PRESETS["behavior"], batch_size=100)))

@@ -20,7 +20,7 @@ def real_batch(sample):
 @pytest.mark.parametrize("name", CRITEO_MODELS)
 def test_forward_backward_on_real_sample(name, real_batch):
     torch.manual_seed(0)
-    model = build_model(name)
+    model = build_model(name, embedding="table")  # hashed tables: a sparse gradient without an optimizer
     out = model(real_batch)
     assert set(out) == {"loss", "logits"}
     assert out["logits"].shape == (128,) and out["loss"].dim() == 0 and torch.isfinite(out["loss"])
@@ -42,7 +42,8 @@ def test_fx_trace_gives_identical_outputs(name, real_batch):
 
 
 def test_default_sizes_follow_deeprec_modelzoo():
-    dlrm = build_model("dlrm")
+    dlrm = build_model("dlrm", embedding="table")
+    assert build_model("dlrm").embeddings.kind == "variable"  # the zoo's default: EmbeddingVariables
     assert [m.out_features for m in dlrm.bottom if isinstance(m, torch.nn.Linear)] == [512, 256, 64, 16]
     assert [m.out_features for m in dlrm.top if isinstance(m, torch.nn.Linear)] == [512, 256, 1]
     assert dlrm.embeddings.collection.names == [f"C{i}" for i in range(1, 27)]
@@ -53,7 +54,8 @@ def test_default_sizes_follow_deeprec_modelzoo():
 
 
 def test_sizes_are_configurable_and_checked():
-    small = build_model("dlrm", embedding_dim=8, bottom_mlp=(32, 8), top_mlp=(16,), hash_buckets=[50] * 26)
+    small = build_model("dlrm", embedding_dim=8, bottom_mlp=(32, 8), top_mlp=(16,), hash_buckets=[50] * 26,
+                        embedding="table")
     assert small.embeddings.collection.lookup.weight.shape == (26 * 50, 8)
     with pytest.raises(ConfigError, match="embedding='hash' is not allowed"):
         build_model("dlrm", embedding="hash")

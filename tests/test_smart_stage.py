@@ -51,7 +51,7 @@ def test_training_identical_with_and_without_smart_stage(name, embedding, sample
 
 def test_first_step_outputs_and_gradients_identical(sample):
     torch.manual_seed(0)
-    model = build_model("dlrm", hash_buckets=500)
+    model = build_model("dlrm", hash_buckets=500, embedding="table")
     batch = next(iter(CriteoReader(sample, 64)))
     ref = model(batch)
     ref["loss"].backward()
@@ -66,7 +66,7 @@ def test_first_step_outputs_and_gradients_identical(sample):
 
 
 def test_parameters_stay_the_users():
-    model = build_model("dlrm", hash_buckets=100)
+    model = build_model("dlrm", hash_buckets=100, embedding="table")
     fast = dr.optimize(model, SMART)
     ids = {id(p) for p in model.parameters()}
     assert {id(p) for p in fast.partition.main.parameters()} <= ids
@@ -189,17 +189,17 @@ def test_async_embedding_needs_smart_stage():
 
 
 def test_explain_reports_partition_and_reasons():
-    text = dr.optimize(build_model("dlrm"), dr.Config(smart_stage=True)).explain()
+    text = dr.optimize(build_model("dlrm", embedding="table"), dr.Config(smart_stage=True)).explain()
     assert "string_to_hash_bucket, " in text and "fill_missing x13" in text  # one hashing op for 26 columns
     assert "prepare_bags" in text.split("main (")[0]  # dedup and bag layout run in the stage
     assert "cut (7 values" in text and "batch['label']" in text and "prepare_bags[1]" in text
     assert "embeddings_collection_lookup: stateful module embeddings.collection.lookup (FusedLookup)" in text
-    off = dr.optimize(build_model("dlrm")).explain()
+    off = dr.optimize(build_model("dlrm", embedding="table")).explain()
     assert "SmartStage off" in off
 
 
 def test_without_smart_stage_iterate_is_the_plain_loop(sample):
-    model = build_model("dlrm", hash_buckets=100)
+    model = build_model("dlrm", hash_buckets=100, embedding="table")
     fast = dr.optimize(model)
     before = set(threading.enumerate())
     losses = [o["loss"].item() for o in fast.iterate(CriteoReader(sample, 50))]

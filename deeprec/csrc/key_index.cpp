@@ -112,9 +112,16 @@ Part find_part(const at::Tensor& table_t, const at::Tensor& row_keys_t, const at
       if (created) fresh.push_back(place);
     }
     if (dedup) inverse[i] = place;
-    if (freq && row >= 0) freq[row] += cp ? cp[i] : 1;
   }
   for (const auto& [slot, tag] : met) table.slots[2 * slot + 1] = tag;
+  if (freq) {  // counted in a pass of its own: each count is a miss too, prefetched ahead
+    auto row_of = [&](int64_t i) { return rows[dedup ? inverse[i] : i]; };
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + kAhead < n && row_of(i + kAhead) >= 0) __builtin_prefetch(freq + row_of(i + kAhead), 1);
+      const int64_t row = row_of(i);
+      if (row >= 0) freq[row] += cp ? cp[i] : 1;
+    }
+  }
   if (dedup) out.rows = out.rows.narrow(0, 0, places);
   out.fresh = at::empty({static_cast<int64_t>(fresh.size())}, keys.options());
   std::copy(fresh.begin(), fresh.end(), out.fresh.data_ptr<int64_t>());

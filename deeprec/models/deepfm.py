@@ -21,7 +21,7 @@ class DeepFMConfig:
     embedding_dim: int = 16
     hash_buckets: int | tuple[int, ...] = 10000
     dnn: tuple[int, ...] = (1024, 256, 32)
-    embedding: str = "table"  # table | variable | torch
+    embedding: str = "variable"  # variable (EmbeddingVariable, no buckets) | table | torch
     sparse_grad: bool = True
     label: str | None = None
 

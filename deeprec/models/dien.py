@@ -33,7 +33,7 @@ class DIENConfig:
     top: tuple[int, ...] = (200, 80)
     batch_norm: bool = True
     aux_weight: float = 1.0
-    embedding: str = "table"  # table | variable | torch
+    embedding: str = "variable"  # variable (EmbeddingVariable, no buckets) | table | torch
     label: str | None = None
 
 

@@ -32,7 +32,7 @@ class DINConfig:
     top: tuple[int, ...] = (200, 80)
     batch_norm: bool = True
     empty_history: str = "learned"  # learned | zero: the interest of a row without history
-    embedding: str = "table"  # table | variable | torch
+    embedding: str = "variable"  # variable (EmbeddingVariable, no buckets) | table | torch
     label: str | None = None  # default: the schema's first label
 
 
@@ -74,7 +74,7 @@ class AttentionPooling(nn.Module):
 class BehaviorInputs(nn.Module):
     """The user side, the target item (query) and the history (keys) of a schema."""
 
-    def __init__(self, schema: Schema, dim: int, hash_buckets: int, max_length: int, embedding: str = "table"):
+    def __init__(self, schema: Schema, dim: int, hash_buckets: int, max_length: int, embedding: str = "variable"):
         super().__init__()
         self.embedder = FeatureEmbedder(schema, dim, hash_buckets, max_length, embedding=embedding)
         self.history = self.embedder.columns("sequence")

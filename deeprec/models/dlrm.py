@@ -22,7 +22,7 @@ class DLRMConfig:
     bottom_mlp: tuple[int, ...] = (512, 256, 64, 16)
     top_mlp: tuple[int, ...] = (512, 256)
     batch_norm: bool = False
-    embedding: str = "table"  # table | variable (EmbeddingVariable, no buckets) | torch (nn.Embedding)
+    embedding: str = "variable"  # variable (EmbeddingVariable, no buckets) | table (hashed) | torch (nn.Embedding)
     sparse_grad: bool = True  # embedding="torch": nn.Embedding(sparse=True)
     label: str | None = None  # default: the schema's first label
 

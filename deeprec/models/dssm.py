@@ -29,7 +29,7 @@ class DSSMConfig:
     tower: tuple[int, ...] = (256, 128)
     output_dim: int = 64
     similarity: str = "cosine"  # cosine | dot
-    embedding: str = "table"  # table | variable | torch
+    embedding: str = "variable"  # variable (EmbeddingVariable, no buckets) | table | torch
     label: str | None = None
 
     def __post_init__(self):

@@ -7,8 +7,9 @@
                                                                               v
         Embedded(categorical [B, C, D], sequences {name: [B, L, D]}, masks {name: [B, L]}, dense [B, N])
 
-embedding = "table"    fixed hashed tables, fused lookup, row-sparse update
-            "variable" EmbeddingVariables keyed by the 63-bit hash (no buckets; what the PS serves)
+embedding = "variable" EmbeddingVariables keyed by the 63-bit hash (the default: no buckets, no
+                       collisions; what the PS serves; as fast as a table, bench/e2e.py)
+            "table"    fixed hashed tables (hash_buckets rows each), fused lookup, row-sparse update
             "torch"    one nn.Embedding per table (the plain-PyTorch baseline)
 
 Plain PyTorch plus `deeprec.ops` and `deeprec.nn`; nothing here knows about training.
@@ -44,7 +45,7 @@ def _key(name: str) -> str:
 
 class FeatureEmbedder(nn.Module):
     def __init__(self, schema: Schema, dim: int, hash_buckets: int | Sequence[int] | Mapping[str, int] = 100_000,
-                 max_length: int = 50, embedding: str = "table", sparse_grad: bool = True):
+                 max_length: int = 50, embedding: str = "variable", sparse_grad: bool = True):
         super().__init__()
         check_choice("embedding", embedding, EMBEDDINGS)
         self.schema, self.dim, self.max_length, self.kind = schema, dim, max_length, embedding

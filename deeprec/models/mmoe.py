@@ -28,7 +28,7 @@ class MMoEConfig:
     num_experts: int = 4
     expert: tuple[int, ...] = (256, 128)
     tower: tuple[int, ...] = (64,)
-    embedding: str = "table"  # table | variable | torch
+    embedding: str = "variable"  # variable (EmbeddingVariable, no buckets) | table | torch
 
 
 class MMoE(nn.Module):

@@ -26,7 +26,7 @@ class WDLConfig:
     hash_buckets: int | tuple[int, ...] = 10000
     dnn: tuple[int, ...] = (1024, 512, 256)
     dense_boundaries: tuple[float, ...] = DENSE_BOUNDARIES
-    embedding: str = "table"  # table | variable | torch
+    embedding: str = "variable"  # variable (EmbeddingVariable, no buckets) | table | torch
     sparse_grad: bool = True
     label: str | None = None
 
