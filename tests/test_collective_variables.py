@@ -108,8 +108,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-CASES = [(name, mode) for mode in ("updater", "updater-micro") for name in sorted(MODELS)]
-CASES += [("called_twice", "ddp"), ("shared_names", "ddp")]  # a variable's two lookups: one update
+CASES = [(name, "updater") for name in sorted(MODELS)]  # micro-batched and by hand: slow (2 ranks each)
+CASES += [pytest.param(name, "updater-micro", marks=pytest.mark.slow) for name in sorted(MODELS)]
+CASES += [pytest.param(name, "ddp", marks=pytest.mark.slow)  # a variable's two lookups: one update
+          for name in ("called_twice", "shared_names")]
 
 
 @pytest.mark.parametrize("name,mode", CASES)
