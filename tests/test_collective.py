@@ -11,7 +11,8 @@ from torch import nn
 
 import deeprec as dr
 from deeprec.checkpoint import load_checkpoint
-from deeprec.distributed.collective.sharded import evaluate_sharded, shard_embeddings
+from deeprec.distributed.collective.sharded import evaluate_sharded
+from deeprec.distributed.collective.updater import shard_embeddings
 from deeprec.errors import ConfigError
 from deeprec.metrics import evaluate
 from deeprec.nn import shard_of
@@ -157,7 +158,7 @@ class Lossy(nn.Module):
 
 
 def _rank_nan(rank, port, out_dir):
-    from deeprec.distributed.collective.sharded import CollectiveUpdater
+    from deeprec.distributed.collective.updater import CollectiveUpdater
     from deeprec.errors import NonFiniteError
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))

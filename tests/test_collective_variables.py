@@ -70,7 +70,7 @@ def _rank(rank, port, out_dir, name, mode):
     """mode "updater": the trainer's CollectiveUpdater (rows updated at the optimizer step, after the
     finite check), with SmartStage, or micro-batched ("updater-micro"); "ddp": shard_embeddings and
     DDP by hand (rows updated once the backward is done)."""
-    from deeprec.distributed.collective.sharded import CollectiveUpdater, shard_embeddings
+    from deeprec.distributed.collective.updater import CollectiveUpdater, shard_embeddings
     from deeprec.distributed.collective.variables import ShardedVariable
 
     torch.set_num_threads(1)

@@ -13,7 +13,8 @@ from torch import nn
 import deeprec as dr
 from deeprec.distributed.ps.client import PSClient
 from deeprec.distributed import Server
-from deeprec.distributed.collective.sharded import ShardedLookup, shard_embeddings
+from deeprec.distributed.collective.sharded import ShardedLookup
+from deeprec.distributed.collective.updater import shard_embeddings
 from deeprec.distributed.ps.worker import PSUpdater, RemoteLookup, RemoteVariable
 from deeprec.graph import capture
 from deeprec.graph.multi_stream import multi_stream_pass

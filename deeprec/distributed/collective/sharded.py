@@ -9,8 +9,8 @@
               divide by N (the global batch's mean) and apply the row-sparse optimizer locally:
               at once (fused), or at the optimizer's step (CollectiveUpdater: after a finite check)
 
-`shard_embeddings(model)` swaps each EmbeddingCollection's lookup for a ShardedLookup (as the PS
-worker swaps in a RemoteLookup), same inputs and outputs. The dense layers are data parallel (DDP,
+`shard_embeddings(model)` (collective/updater.py) swaps each EmbeddingCollection's lookup for a
+ShardedLookup (as the PS worker swaps in a RemoteLookup), same inputs and outputs. The dense layers are data parallel (DDP,
 or CollectiveUpdater's bucketed all-reduce). The exchange runs on its own process group, so its
 collectives never interleave with the dense all-reduces on the default group.
 """
@@ -25,13 +25,12 @@ from torch import nn
 from deeprec.distributed.allreduce import Traffic
 from deeprec.distributed.collective import deadline
 from deeprec.distributed.collective.deadline import guard
-from deeprec.errors import ConfigError, NonFiniteError
-from deeprec.nn.collection import EmbeddingCollection, FusedLookup
+from deeprec.errors import ConfigError
+from deeprec.nn.collection import FusedLookup
 from deeprec.nn.lookup import EmbeddingLookup, assemble
 from deeprec.nn.variable import shard_of
 from deeprec.nn.lookup import merge_rows
 from deeprec.distributed.collective.planner import FixedShard, describe_plan, plan_lookup
-from deeprec.runtime.updater import LocalUpdater
 
 
 def _exchange(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], lookup) -> torch.Tensor:
@@ -227,23 +226,6 @@ class ShardedLookup(EmbeddingLookup):
                                "step the optimizer of deeprec.optim.make_optimizer after each micro-batched step")
 
 
-def shard_embeddings(model: nn.Module, group=None) -> int:
-    """Swap every EmbeddingCollection's lookup for this rank's ShardedLookup, and every free
-    EmbeddingVariable (`ev(ids)` in your own model, under each of its names) for a ShardedVariable
-    (torch.distributed initialized; the optimizer attached before). Returns how many."""
-    from deeprec.distributed.collective.variables import shard_variables
-
-    if not dist.is_initialized():
-        raise ConfigError("shard_embeddings needs torch.distributed: torch.distributed.init_process_group "
-                          "(torchrun sets MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)")
-    swapped = 0
-    for collection in [m for m in model.modules() if isinstance(m, EmbeddingCollection)]:
-        if isinstance(collection.lookup, FusedLookup):
-            collection.lookup = ShardedLookup(collection.lookup, group)
-            swapped += 1
-    return swapped + shard_variables(model, group)
-
-
 def evaluate_sharded(model: nn.Module, reader, **columns) -> dict:
     """deeprec.metrics' evaluation loop on every rank at once, each over its share of the evaluation
     data.
@@ -290,71 +272,4 @@ def _lockstep(reader):
             last = batch
 
 
-class CollectiveUpdater(LocalUpdater):
-    """The trainer's updater under torchrun (`torchrun --nproc-per-node N -m deeprec train ...`):
-    embeddings sharded by all-to-all, dense gradients averaged by bucketed all-reduces launched
-    during the backward (deeprec.distributed.allreduce.DenseAllReduce), then one step of everything.
-
-    The owners keep their rows' gradients until `apply` (ShardedLookup.fused False): a step whose
-    averaged dense gradients are not finite (any rank's inf or nan spreads into the mean, so every
-    rank sees it) is then dropped whole on every rank, and every rank stops with NonFiniteError."""
-
-    def __init__(self, model: nn.Module, optimizer: str, lr: float, rank: int, world_size: int,
-                 device: torch.device = torch.device("cpu"), overlap: bool = True,
-                 timeout_s: float = deadline.DEFAULT_TIMEOUT_S):
-        from deeprec.distributed.allreduce import (DenseAllReduce, broadcast_parameters, join_process_group,
-                                                  rendezvous_from_env)
-        from deeprec.optim import make_optimizer
-        from deeprec.runtime.device import move_dense, place_tables
-
-        super().__init__(model, make_optimizer(model, optimizer, lr))  # row-sparse ones travel with the lookups
-        self.rank, self.world_size = rank, world_size
-        move_dense(model, device)  # the all-reduce runs where the dense layers are: NCCL on a GPU
-        dense = [p for p in model.parameters() if p.requires_grad]
-        rendezvous = rendezvous_from_env(rank, world_size)
-        limit = deadline.install(timeout_s, rank, world_size, rendezvous.master_addr, rendezvous.master_port)
-        with guard("the rendezvous (creating the process group)"):
-            join_process_group(rendezvous, device, timeout_s=timeout_s)
-        limit.start_heartbeat()
-        broadcast_parameters(dense)  # the replicas start equal
-        self.reducer = DenseAllReduce(dense, overlap=overlap)
-        if not shard_embeddings(model):  # on the host: a rank moves only its shard to the GPU
-            raise ConfigError("collective training shards the model's EmbeddingCollections and EmbeddingVariables: "
-                              "this model has none (--embedding torch keeps nn.Embedding tables: give --embedding "
-                              "variable or fused)")
-        self.optimizer.lookups = [m for m in model.modules() if isinstance(m, ShardedLookup)]
-        for lookup in self.optimizer.lookups:
-            lookup.fused = False  # rows updated in apply, after the finite check
-        self.host_tables = place_tables(model, device)
-
-    def apply(self) -> None:
-        self.reducer.average_gradients()
-        if not self.reducer.finite():
-            self._drop("dense gradient (averaged over the ranks)")
-        super().apply()
-
-    def discard(self) -> None:
-        self.reducer.average_gradients()  # the other ranks' all-reduces need this rank's part
-        self._drop("loss or gradient on this rank")
-
-    def _drop(self, what: str) -> None:
-        self.optimizer.zero_grad()  # dense gradients and the rows' kept gradients: nothing applied
-        raise NonFiniteError(f"non-finite {what} at step {self.step + 1}: every rank stops, nothing of the step "
-                             "was applied (the last checkpoint is intact); check the data and the learning rate. "
-                             "Collective training cannot skip a step (--on-nan skip is for single-process training)")
-
-    def traffic(self) -> dict:
-        """Communication per step so far: all-to-all (ids, rows, gradients) and the dense all-reduce."""
-        lookups = [m.traffic for m in self.model.modules() if isinstance(m, ShardedLookup)]
-        steps = max(1, self.step)
-        reduce = self.reducer
-        return {"steps": self.step, "ranks": self.world_size,
-                "all_to_all_ms": 1e3 * sum(t.seconds for t in lookups) / steps,
-                "all_to_all_bytes": sum(t.bytes_sent for t in lookups) / steps,
-                "all_to_all_calls": sum(t.calls for t in lookups) / steps,
-                "all_reduce_ms": 1e3 * reduce.traffic.seconds / steps,  # waited for in apply: not hidden
-                "all_reduce_bytes": reduce.traffic.bytes_sent / steps,
-                "dense_parameters": reduce.numel}
-
-
-__all__ = ["ShardedLookup", "shard_embeddings", "evaluate_sharded", "CollectiveUpdater"]
+__all__ = ["ShardedLookup", "evaluate_sharded"]

@@ -58,7 +58,7 @@ class Collective(Strategy):
                               "files would stall every other rank's exchange; follow with a PS job or one process")
 
     def prepare(self, model: nn.Module, cfg, device: torch.device):
-        from deeprec.distributed.collective.sharded import CollectiveUpdater
+        from deeprec.distributed.collective.updater import CollectiveUpdater
 
         updater = CollectiveUpdater(model, cfg.optimizer.name, cfg.optimizer.lr, self.rank, self.world_size, device,
                                     overlap=cfg.optimize.micro_batch_num == 1,  # micro-batches: after the last
