@@ -33,7 +33,6 @@ from deeprec.errors import ConfigError, NonFiniteError
 from deeprec.metrics import ranking_columns
 from deeprec.models.spec import canonical, is_zoo, load_model, same_model
 from deeprec.nn import EmbeddingVariable, incremental_state_dict
-from deeprec.nn.shared import aliases_kept
 from deeprec.nn.tiered import use_storage
 from deeprec.progress import get_console as progress_console
 from deeprec.runtime import optimize
@@ -129,8 +128,7 @@ class Trainer:
             raise ConfigError("--storage ssd tiers EmbeddingVariables and this model has none (zoo models: "
                               "--embedding variable)")
         storage = self.cfg.storage  # --dram-bytes is the model's: shared evenly by its EmbeddingVariables
-        with aliases_kept(self.model):  # one EmbeddingVariable under two names: one tiered one under both
-            use_storage(self.model, dataclasses.replace(storage, dram_bytes=max(1, storage.dram_bytes // variables)))
+        use_storage(self.model, dataclasses.replace(storage, dram_bytes=max(1, storage.dram_bytes // variables)))
 
     @property
     def step(self) -> int:

@@ -125,3 +125,15 @@ def test_tiering_keeps_one_variable_under_both_names(tmp_path, schema):
     assert isinstance(evs["C3_X_C4"], TieredEmbeddingVariable)
     result = trainer.train()
     assert result["tiers"]["variables"] == 2 and result["tiers"]["disk_rows"] > 0
+
+
+def test_use_storage_tiers_a_shared_variable_under_every_name(tmp_path):
+    """dr.nn.use_storage called by hand (not through the trainer) swaps every name too."""
+    from deeprec.nn import EmbeddingVariable, StorageOption, TieredEmbeddingVariable
+    from deeprec.nn.tiered import use_storage
+
+    ev = EmbeddingVariable(4, name="shared")
+    model = torch.nn.ModuleDict({"a": ev, "b": ev, "c": EmbeddingVariable(4, name="own")})
+    assert use_storage(model, StorageOption(tiers=["dram", "ssd"], dram_bytes=4000, path=str(tmp_path))) == 2
+    assert isinstance(model["a"], TieredEmbeddingVariable) and model["a"] is model["b"]
+    assert isinstance(model["c"], TieredEmbeddingVariable) and model["c"] is not model["a"]

@@ -9,7 +9,6 @@ writes a state by module path must write every path, or loading misses the other
 """
 from __future__ import annotations
 
-import contextlib
 
 from torch import nn
 
@@ -31,27 +30,6 @@ def replace_module(model: nn.Module, old: nn.Module, new: nn.Module) -> int:
                 parent._modules[key] = new
                 replaced += 1
     return replaced
-
-
-@contextlib.contextmanager
-def aliases_kept(model: nn.Module):
-    """Inside, a pass may replace modules by their first name (setattr on the parent, as
-    `named_modules` lists them); on leaving, every other name of a replaced shared module gets
-    the replacement too, so the names still share one module."""
-    before = [(parent, key, child) for parent in model.modules() for key, child in parent._modules.items()]
-    shared = {}
-    for parent, key, child in before:
-        shared.setdefault(id(child), []).append((parent, key, child))
-    yield
-    for refs in shared.values():
-        if len(refs) < 2:
-            continue
-        now = [parent._modules.get(key) for parent, key, _ in refs]
-        old = refs[0][2]
-        swapped = [m for m in now if m is not old]
-        if swapped and all(m is swapped[0] or m is old for m in now):  # one replacement: shared again
-            for parent, key, _ in refs:
-                parent._modules[key] = swapped[0]
 
 
 def state_under_every_name(model: nn.Module, state: dict) -> dict:
@@ -82,4 +60,4 @@ def state_under_every_name(model: nn.Module, state: dict) -> dict:
     return out
 
 
-__all__ = ["module_paths", "replace_module", "aliases_kept", "state_under_every_name"]
+__all__ = ["module_paths", "replace_module", "state_under_every_name"]

@@ -23,6 +23,7 @@ from deeprec.errors import ConfigError, StorageFullError
 from deeprec.nn.disk_rows import DiskRows
 from deeprec.nn.options import EmbeddingVariableOption, GlobalStepEvict, L2WeightEvict, StorageOption
 from deeprec.nn.key_index import KeyIndex
+from deeprec.nn.shared import replace_module
 from deeprec.nn.variable import EmbeddingVariable, shard_of
 
 _MIN_CACHE_ROWS = 16
@@ -439,8 +440,7 @@ def use_storage(model: torch.nn.Module, storage: StorageOption | dict[str, Stora
         with ev._lock:
             tiered = _with_storage(ev, storage if isinstance(storage, StorageOption) else storage[ev.name],
                                    ev._rows_state(torch.arange(ev.size)), ev.optimizer, name=ev.name or name)
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, tiered)
+        replace_module(model, ev, tiered)  # under every name it has (one variable shared by two features)
     return len(found)
 
 
