@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench bench-tf-venv setup clean
+.PHONY: run test test-quick bench bench-tf-venv setup clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -21,8 +21,15 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/deeprec train --model dlrm --epochs 5 --batch-size 32
 
+# The suite on every core (pytest-xdist; tests/conftest.py gives each worker its share of the threads),
+# a test file's tests on one worker (they share module fixtures); the 25 slowest tests listed at the end.
+PYTEST_WORKERS ?= auto
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=25
+
+# The edit loop: the tests not marked slow (a few minutes)
+test-quick: $(STAMP)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not slow" --durations=10
 
 bench: $(STAMP)
 	$(PY) bench/ops_hash.py

@@ -5,9 +5,27 @@ import sys
 import os
 
 import pytest
+import torch
 
 from deeprec.cli import sample_path
 from deeprec.data import write_synthetic
+
+
+def _thread_budget() -> int | None:
+    """Under pytest-xdist (-n N) each of the N workers gets its share of the cores, for torch in the
+    worker and (OMP_NUM_THREADS, unless set) for the processes its tests start: N workers with all
+    the cores each would oversubscribe them N times. None when not under xdist."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    if not os.environ.get("PYTEST_XDIST_WORKER") or workers < 1:
+        return None
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
+_threads = _thread_budget()
+if _threads is not None:
+    torch.set_num_threads(_threads)
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, str(_threads))
 
 
 @pytest.fixture(scope="session")
@@ -109,3 +127,34 @@ def running_ps(*args, env=None, cwd=None):
 
 
 pytest_plugins = ["cluster"]  # tests/cluster.py: the `cluster` fixture (hosts in network namespaces)
+
+
+# -- durations in the open ------------------------------------------------------------------------
+# CI prints the 25 slowest tests (make test: --durations=25). A test that takes more than SLOW_S
+# (its setup, call and teardown together) says why in its marker: @pytest.mark.slow(reason="...").
+# One that does not is listed at the end of the run (a warning, not a failure: timings are noisy).
+SLOW_S = 60.0
+_took: dict[str, float] = {}
+_reasons: dict[str, str] = {}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        marker = item.get_closest_marker("slow")
+        if marker is not None and marker.kwargs.get("reason"):
+            item.user_properties.append(("slow_reason", marker.kwargs["reason"]))  # travels with xdist's reports
+
+
+def pytest_runtest_logreport(report):
+    _took[report.nodeid] = _took.get(report.nodeid, 0.0) + report.duration
+    for key, value in report.user_properties:
+        if key == "slow_reason":
+            _reasons[report.nodeid] = value
+
+
+def pytest_terminal_summary(terminalreporter):
+    unexplained = sorted(((s, n) for n, s in _took.items() if s > SLOW_S and n not in _reasons), reverse=True)
+    if unexplained:
+        terminalreporter.write_sep("=", f"tests over {SLOW_S:.0f} s without slow(reason=...)", yellow=True)
+        for seconds, nodeid in unexplained:
+            terminalreporter.write_line(f"{seconds:7.1f}s {nodeid}")
