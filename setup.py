@@ -9,7 +9,8 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 setup(
     ext_modules=[CppExtension("deeprec._C", ["deeprec/csrc/feature_ops.cpp", "deeprec/csrc/bags.cpp",
-                               "deeprec/csrc/key_index.cpp", "deeprec/csrc/ev_lookup.cpp", "deeprec/csrc/sparse_optim.cpp"],
+                               "deeprec/csrc/key_index.cpp", "deeprec/csrc/ev_lookup.cpp", "deeprec/csrc/sparse_optim.cpp",
+                               "deeprec/csrc/ps_rows.cpp"],
                               depends=["deeprec/csrc/hashes.h", "deeprec/csrc/key_index.h"],
                               extra_compile_args=["-O3", "-fno-math-errno", "-ffp-contract=off"])],
     cmdclass={"build_ext": BuildExtension},

@@ -100,3 +100,13 @@ def _(weight, acc, rows, grad, lr, eps):
 @torch.library.register_fake("deeprec::sparse_adam_")
 def _(weight, exp_avg, exp_avg_sq, row_step, rows, grad, lr, beta1, beta2, eps, step):
     return None
+
+
+@torch.library.register_fake("deeprec::ps_init_rows")
+def _(fresh, ns, keys, start, row_ns, weight, version, step, slots, slot_values, defaults, offset, count):
+    return None
+
+
+@torch.library.register_fake("deeprec::ps_gather_rows")
+def _(weight, rows, out):
+    return None

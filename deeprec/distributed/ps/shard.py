@@ -234,11 +234,12 @@ class PSServicer:
             return {}, {}
         if method == "PushPull":  # star_server_lite: step t's push and step t+1's pull
             push, pull = _section(header, "push"), _section(header, "pull")
-            plan = s.pull_plan(pull, tensors, "pull.")  # checked before the push changes anything
+            client = header.get("client")  # the sections' rows: the push takes those of this client's last pull
+            plan = s.pull_plan(pull, tensors, "pull.", client=client)  # checked before the push changes anything
             if plan[3]:
                 raise ResourceExhausted(f"PushPull: the pull's reply would pass {s.max_reply:,} bytes "
                                         "(--max-reply-bytes): evaluate with Pull, whose reply comes in chunks")
-            s.push(push, tensors, "push.")
+            s.push(push, tensors, "push.", client=client)
             return s.pull_run(plan)
         if method == "Export":
             after = header.get("after_version")

@@ -16,6 +16,7 @@ servicer answers INVALID_ARGUMENT), a limit ResourceExhausted (RESOURCE_EXHAUSTE
 """
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import math
@@ -37,6 +38,7 @@ MAX_WAIT_S = 120.0  # longest a sync step's pushes wait for the other workers'
 MAX_REPLY = 64 << 20  # default bound of an evaluation Pull's reply (larger ones are answered in chunks)
 MIN_REPLY = 64 << 10  # the smallest bound a server may set: a row of MAX_DIM fits twice
 MAX_MESSAGE = 1 << 30  # the transport's message cap (shard.GRPC_OPTIONS): a training Pull's reply must fit
+PULLED = 64  # clients whose last training pull's rows are kept for their push (the least recent forgotten)
 _REPLY_SLACK = 16 << 10  # a reply's header and alignment, beyond its tensors' bytes
 log = logging.getLogger("deeprec.ps")
 
@@ -69,6 +71,10 @@ class ShardState:
         self.generation = 0  # how many checkpoint restores this shard has taken
         self.applied_step = 0  # last step whose (sync: averaged) update is applied
         self._sync: dict[int, dict] = {}
+        # client -> (generation, [(arena, ns, keys, rows, repeated)] per part) of its last training pull:
+        # a worker pushes the keys it pulled, and an arena's rows stay put until a Load (generation),
+        # so a push of exactly those keys takes those rows instead of looking its keys up again
+        self._pulled: collections.OrderedDict[str, tuple] = collections.OrderedDict()
 
     def names(self) -> list[str]:
         return sorted([*self.embeddings, *self.dense])
@@ -210,8 +216,9 @@ class ShardState:
         """(reply header, `pull`'s tensors): `pull_plan` then `pull_run`."""
         return self.pull_run(self.pull_plan(header, tensors, prefix))
 
-    def pull_plan(self, header: dict, tensors: dict, prefix: str = "") -> tuple:
-        """A Pull checked whole, the memory budget included, before anything changes.
+    def pull_plan(self, header: dict, tensors: dict, prefix: str = "", client: str | None = None) -> tuple:
+        """A Pull checked whole, the memory budget included, before anything changes. `client`
+        (default: the header's): who pulls, whose push of the same keys will reuse the rows found.
 
         An evaluation pull (train false) whose rows pass `max_reply` bytes is cut to the prefix of its
         keys that fits: the reply's header then says {"rows": m} (of the request's keys, in order), and
@@ -234,7 +241,8 @@ class ShardState:
             elif nbytes + _dense_bytes(self, dense) > self.max_reply - _REPLY_SLACK:
                 parts, rows = self._first_rows(header, tensors, prefix, dense)
                 reply = {"rows": rows}
-        return train, parts, dense, reply
+        client = header.get("client") if client is None else client
+        return train, parts, dense, reply, client if train and isinstance(client, str) else None
 
     def _first_rows(self, header: dict, tensors: dict, prefix: str, dense: list) -> tuple[list, int]:
         """The parts of the longest prefix of the request's keys whose rows fit `max_reply` (at least one key)."""
@@ -249,28 +257,51 @@ class ShardState:
         return self._rows_request(header, {prefix + "keys": keys[:rows], prefix + "counts": cut}, prefix), rows
 
     def pull_run(self, plan: tuple) -> tuple[dict, dict]:
-        train, parts, dense, reply = plan
-        out = {}
+        train, parts, dense, reply, client = plan
+        out, found = {}, {}
         for dim in dict.fromkeys(p.dim for p in parts):
             mine = [p for p in parts if p.dim == dim]
             values = torch.empty(sum(p.keys.numel() for p in mine), dim)
             for p in mine:
-                rows, _ = p.arena.rows(p.ns, p.keys, insert=train)
+                rows, repeated = p.arena.rows(p.ns, p.keys, insert=train)
+                found[id(p)] = (p.arena, p.ns, p.keys, rows, repeated)
                 if p.position is None:
                     p.arena.gather(rows, out=values)
                 else:
                     values[p.position] = p.arena.gather(rows)
             out[f"values/{dim}"] = values
         out.update({f"dense/{name}": self.dense[name].view(name) for name in dense})
+        found = [found[id(p)] for p in parts]  # in the parts' order, as a push of these keys splits them
+        if client is not None and found and all(type(a) is EmbeddingArena for a, *_ in found):
+            # the keys are copied: a view would hold the whole request's bytes
+            self._pulled[client] = (self.generation, [(a, ns, keys.clone(), rows, repeated)
+                                                      for a, ns, keys, rows, repeated in found])
+            self._pulled.move_to_end(client)
+            while len(self._pulled) > PULLED:
+                self._pulled.popitem(last=False)
         return reply, out
 
-    def push(self, header: dict, tensors: dict, prefix: str = "") -> None:
+    def _pulled_rows(self, client, parts: list[_Part]) -> list | None:
+        """(rows, repeated) of each part, as `client`'s last training pull found them, when this push
+        is of exactly its keys (and no Load came since); else None (the push looks its keys up)."""
+        pulled = self._pulled.pop(client, None) if isinstance(client, str) else None
+        if pulled is None or pulled[0] != self.generation or len(pulled[1]) != len(parts):
+            return None
+        for p, (arena, ns, keys, _, _) in zip(parts, pulled[1]):
+            if p.arena is not arena or not torch.equal(p.keys, keys) or not torch.equal(p.ns, ns):
+                return None
+        return [(rows, repeated) for _, _, _, rows, repeated in pulled[1]]
+
+    def push(self, header: dict, tensors: dict, prefix: str = "", client: str | None = None) -> None:
         """Apply gradients now (async), or, with `workers` > 1, collect step `step`'s
-        pushes and apply their average once every worker's has arrived (sync)."""
+        pushes and apply their average once every worker's has arrived (sync). `client` (default:
+        the header's): who pushes; a push of the keys of its last training pull takes their rows."""
         _check_fields(header, ("embeddings", "dense", "step", "workers"), "Push")
         step = None if header.get("step") is None else int_field(header, "step", 0, low=0)
         workers = int_field(header, "workers", 1, low=1, high=1 << 16)
         parts, names = self._rows_request(header, tensors, prefix), self._dense_names(header)
+        found = self._pulled_rows(header.get("client") if client is None else client, parts)
+        found = dict(zip(map(id, parts), found)) if found is not None else {}
         rows_grads = []
         for dim in dict.fromkeys(p.dim for p in parts):  # validate everything before changing anything
             n = sum(p.keys.numel() for p in parts if p.dim == dim)
@@ -290,7 +321,8 @@ class ShardState:
                 raise WireError(f"'{prefix}dense/{name}' must be a float32 gradient of shape {shape}")
             _check_finite(grad, f"{prefix}dense/{name}")
             dense[name] = grad
-        updates = [(p.arena, p.ns, p.keys, g) for p, g in rows_grads]  # rows are found when applied
+        # rows are found when applied, unless the pull found them (an EmbeddingArena's rows stay put)
+        updates = [(p.arena, p.ns, p.keys, g, found.get(id(p))) for p, g in rows_grads]
         if workers > 1 and step is not None:
             self._drop_stale_sync()
             pending = self._sync.setdefault(step, {"count": 0, "rows": [], "dense": {}, "since": time.monotonic()})
@@ -302,7 +334,7 @@ class ShardState:
                 return
             del self._sync[step]
             # the workers' keys may repeat: _apply merges each arena's parts and sums repeats
-            updates = [(arena, ns, keys, grads / workers) for arena, ns, keys, grads in pending["rows"]]
+            updates = [(arena, ns, keys, grads / workers, rows) for arena, ns, keys, grads, rows in pending["rows"]]
             dense = {name: sum(gs) / workers for name, gs in pending["dense"].items()}
         self._apply(updates, dense)
         if step is not None:
@@ -311,9 +343,13 @@ class ShardState:
     def _apply(self, updates: list, dense: dict) -> None:
         """One optimizer step per arena over its parts (sync: one per worker), rows found now: a
         tiered arena's rows may have moved since the push arrived."""
-        for arena in dict.fromkeys(a for a, _, _, _ in updates):
-            mine = [(ns, keys, g) for a, ns, keys, g in updates if a is arena]
-            ns, keys, grads = mine[0] if len(mine) == 1 else (torch.cat(part) for part in zip(*mine))
+        for arena in dict.fromkeys(u[0] for u in updates):
+            mine = [u[1:] for u in updates if u[0] is arena]
+            if len(mine) == 1 and mine[0][3] is not None:  # the rows its pull found
+                _, _, grads, (rows, repeated) = mine[0]
+                arena.apply(rows, grads, repeated > 0)
+                continue
+            ns, keys, grads = mine[0][:3] if len(mine) == 1 else (torch.cat(part) for part in list(zip(*mine))[:3])
             rows, repeated = arena.rows(ns, keys, insert=False)
             arena.apply(rows, grads, repeated > 0)
         for group in dict.fromkeys(self.dense[n] for n in dense):
@@ -424,6 +460,7 @@ class ShardState:
                 group.load(name, tensors)
                 group.optimizer.step_count = int(tensors[f"opt/{name}"])
         self._sync.clear()  # rows were renumbered: pending sync pushes no longer apply
+        self._pulled.clear()  # and the rows pulls found are no longer theirs
         self.generation += 1
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+import deeprec._C  # noqa: F401  (registers torch.ops.deeprec.ps_init_rows, ps_gather_rows)
 from deeprec.nn.key_index import KeyIndex, slots_for
 from deeprec.nn.variable import shard_of
 from deeprec.optim import sparse
@@ -102,24 +103,20 @@ class EmbeddingArena:
         # one op: rows found (or created: their keys written), repeats counted, (insert:) freq counted
         rows, fresh, repeated = self.index.find(keys, self.row_keys, self.size, ns=ns,
                                                 freq=self.freq if insert else None, insert=insert)
-        if fresh.numel():
-            new = slice(self.size, self.size + fresh.numel())
-            var, key = ns[fresh], keys[fresh]
-            self.row_ns[new] = var
-            picks = self._default_offset[var] + torch.remainder(key, self._default_count[var])
-            torch.index_select(self._default_matrix, 0, picks, out=self.weight[new])
-            self.version[new] = self.optimizer.step_count
-            for name, (value, _) in self.optimizer.slot_specs().items():
-                self.slots[name][new] = value
+        if fresh.numel():  # the new rows' variable, initial value, version and slots: one pass (csrc/ps_rows.cpp)
+            specs = self.optimizer.slot_specs()
+            torch.ops.deeprec.ps_init_rows(fresh, ns, keys, self.size, self.row_ns, self.weight, self.version,
+                                           self.optimizer.step_count, list(self.slots.values()),
+                                           [float(specs[name][0]) for name in self.slots], self._default_matrix,
+                                           self._default_offset, self._default_count)
             self.size += fresh.numel()
         return rows, int(repeated)
 
     def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """weight[rows]; a row -1 (a key never trained) reads zeros."""
-        out = torch.index_select(self.weight, 0, rows.clamp_min(0), out=out)
-        missing = rows < 0
-        if bool(missing.any()):
-            out[missing] = 0.0
+        if out is None:
+            out = torch.empty(rows.numel(), self.dim)
+        torch.ops.deeprec.ps_gather_rows(self.weight, rows, out)
         return out
 
     def apply(self, rows: torch.Tensor, grad: torch.Tensor, repeated: bool = True) -> None:

@@ -1,0 +1,123 @@
+"""PS shard CPU per worker step, one case of bench/ps.py: uniform ids, hybrid (dense by all-reduce).
+
+    grpc      bench/ps.py's case star_server/allreduce/batch512/workers1/uniform: 1 PS process,
+              1 worker pulling and pushing 26 tables (dim 16, adagrad); PS CPU from /proc
+    inproc    the same requests (wire messages as the client packs them) run on a ShardState in
+              this process: unpack, pull / push, pack the reply; CPU by time.process_time
+              (--profile: cProfile of it, top functions by own time)
+
+The gRPC number is issue 38's "PS shard, uniform ids, hybrid" (goal: <= 4 ms CPU per step);
+inproc shows how much of it is the shard's own work (the rest is gRPC and the Python server).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import resource
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import cpu_line, save_json  # noqa: E402
+
+TABLES = [f"C{i}" for i in range(1, 27)]
+DIM = 16
+
+
+def _keys(g: torch.Generator, batch: int) -> list[torch.Tensor]:
+    """bench/ps.py's uniform draw: each table's unique ids of a batch over 1M."""
+    return [torch.unique(torch.randint(0, 10_000_000, (batch,), generator=g) % 1_000_000) for _ in TABLES]
+
+
+def _messages(keys: list[torch.Tensor], seq: int) -> tuple[bytes, bytes]:
+    """(Push of these keys' gradients, Pull of them) as PSClient packs them for one PS."""
+    from deeprec.distributed.ps.wire import pack
+
+    flat, counts = torch.cat(keys), torch.tensor([k.numel() for k in keys])
+    common = {"client": "bench", "done": seq - 1, "expect": ["x", 0]}
+    push = pack({"dense": [], "embeddings": TABLES, **common, "seq": seq},
+                {"keys": flat, "counts": counts, "grads/16": torch.full((flat.numel(), DIM), 1e-3)})
+    pull = pack({"train": True, "embeddings": TABLES, "dense": [], **common, "seq": seq + 1},
+                {"keys": flat, "counts": counts})
+    return push, pull
+
+
+def inproc(steps: int, batch: int, profile: bool) -> dict:
+    """CPU ms per step of the shard's own work on the bench's requests (no gRPC)."""
+    from deeprec.distributed.ps.state import ShardState
+    from deeprec.distributed.ps.wire import pack, unpack
+
+    torch.set_num_threads(1)  # as the PS process (shard.py)
+    state = ShardState(0, 1)
+    state.register({"variables": [{"name": n, "kind": "embedding", "dim": DIM, "optimizer": "adagrad", "lr": 0.01}
+                                  for n in TABLES]}, {})
+    g = torch.Generator().manual_seed(17)
+    current = _keys(g, batch)
+    _, first = _messages(current, 1)
+    state.pull_reply(*unpack(first))
+    messages = []
+    for step in range(steps):  # drawn and packed beforehand: the client's work, not the shard's
+        nxt = _keys(g, batch)
+        messages.append(_messages(current, 2 + 2 * step)[:1] + _messages(nxt, 2 + 2 * step)[1:])
+        current = nxt
+
+    def run():
+        for push, pull in messages:
+            state.push(*unpack(push))
+            pack({}, {})
+            pack(*state.pull_reply(*unpack(pull)))
+
+    profiler = cProfile.Profile(time.process_time) if profile else None  # CPU, not wall: a shared machine
+    before, start = resource.getrusage(resource.RUSAGE_SELF), time.process_time()
+    if profiler:
+        profiler.runcall(run)
+    else:
+        run()
+    ms, after = 1e3 * (time.process_time() - start) / steps, resource.getrusage(resource.RUSAGE_SELF)
+    if profiler:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    return {"ps_cpu_ms_per_step": ms, "sys_ms_per_step": 1e3 * (after.ru_stime - before.ru_stime) / steps,
+            "page_faults_per_step": (after.ru_minflt - before.ru_minflt) / steps,
+            "rows": state.arenas[next(iter(state.arenas))].size}
+
+
+def grpc_case(steps: int, batch: int) -> dict:
+    import ps
+
+    return ps.run_case("star_server", "allreduce", 1, batch, steps, "uniform")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=["grpc", "inproc", "both"], default="both")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="inproc: print cProfile's top functions")
+    parser.add_argument("--save", action="store_true", help="write results/ps_shard_cpu.json")
+    parser.add_argument("--label", default="after", help="the JSON entry these numbers go under")
+    args = parser.parse_args()
+    out = {}
+    for mode in (["grpc", "inproc"] if args.mode == "both" else [args.mode]):
+        runs = [(grpc_case(args.steps, args.batch) if mode == "grpc" else inproc(args.steps, args.batch, args.profile))
+                ["ps_cpu_ms_per_step"] for _ in range(args.repeats)]
+        out[mode] = {"median_ms": statistics.median(runs), "runs_ms": runs}
+        print(f"{mode}: PS CPU ms per worker step, median {statistics.median(runs):.2f} of {runs} - {cpu_line()}")
+    if args.save:
+        import json
+
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ps_shard_cpu.json")
+        previous = json.load(open(path)) if os.path.exists(path) else {}
+        entries = {k: v for k, v in previous.items() if k != "machine"}
+        entries[args.label] = {**out, "steps": args.steps, "batch": args.batch, "cpu": cpu_line(),
+                               "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+        print("saved", save_json("ps_shard_cpu", entries))
+
+
+if __name__ == "__main__":
+    main()
