@@ -33,11 +33,13 @@ except ImportError:  # lands with the DIN GAUC change
 
 
 # -- the data, as deeprec's feature layer sees it ---------------------------------------------------
-def encode(model_name: str, path: str, schema=None) -> dict[str, np.ndarray]:
+def encode(model_name: str, path: str, schema=None, embedding: str = "table") -> dict[str, np.ndarray]:
     """{"ids": [N, C] bucket ids, "dense": [N, D], "dense_buckets": [N, D], "label": [N],
-    "hist": [N, S, L] (-1 padded), "group": [N] (the role="user" column's raw id)} of one file."""
+    "hist": [N, S, L] (-1 padded), "group": [N] (the role="user" column's raw id)} of one file.
+    The peers need bucket ids: the model's hashed tables (embedding="table") whatever the zoo's
+    default; embedding="variable" gives the EmbeddingVariables' 63-bit keys instead."""
     schema = resolve_schema([path], schema)
-    model = build_model(model_name, schema=schema)
+    model = build_model(model_name, schema=schema, embedding=embedding)
     embedder = model.inputs.embedder if model_name == "din" else model.embeddings
     user = [c.name for c in schema.columns if c.kind == "categorical" and c.role == "user"]
     parts: dict[str, list] = {}
@@ -51,11 +53,13 @@ def encode(model_name: str, path: str, schema=None) -> dict[str, np.ndarray]:
             parts.setdefault("dense", []).append(dense.numpy())
             parts.setdefault("dense_buckets", []).append(ops.bucketize(dense, DENSE_BOUNDARIES).numpy())
         parts.setdefault("label", []).append(batch[model.label_columns[0]].numpy().astype(np.float32))
-        if user:
+        if user and isinstance(batch[user[0]], torch.Tensor):  # an int id (a string column is ragged bytes)
             parts.setdefault("group", []).append(batch[user[0]].numpy().astype(np.int64))
     out = {k: np.concatenate(v) for k, v in parts.items()}
     out["categorical"] = np.array(embedder.categorical)
     out["buckets"] = np.array([embedder.buckets[c] for c in embedder.categorical])
+    out["sequences"] = np.array(embedder.sequences)
+    out["sequence_buckets"] = np.array([embedder.buckets[s] for s in embedder.sequences])
     return out
 
 
@@ -154,9 +158,11 @@ class TorchRecPeer:
 
 class DeepCTRPeer:
     """DeepCTR-Torch 0.3.0's DeepFM, WDL or DIN, its X built from the encoded arrays; its
-    PredictionLayer set to return the logit (bias added, no sigmoid) for a logits loss."""
+    PredictionLayer set to return the logit (bias added, no sigmoid) for a logits loss. DeepFM's
+    sequence columns (MovieLens genres) are mean-pooled VarLenSparseFeats, as deeprec's DeepFM
+    pools them (ids shifted by 1: 0 = padding). seed: DeepCTR's (it seeds torch before the init)."""
 
-    def __init__(self, kind: str, data: dict, dim: int, hidden: tuple, din: dict | None = None):
+    def __init__(self, kind: str, data: dict, dim: int, hidden: tuple, din: dict | None = None, seed: int = 0):
         import deepctr_torch.models as dm
         from deepctr_torch.inputs import DenseFeat, SparseFeat, VarLenSparseFeat
 
@@ -166,7 +172,12 @@ class DeepCTRPeer:
         sparse = [SparseFeat(c, int(n) + (kind == "din"), dim) for c, n in zip(cats, data["buckets"])]
         n_dense = data["dense"].shape[1] if "dense" in data else 0
         dense = [DenseFeat(f"I{d + 1}", 1) for d in range(n_dense)]
-        common = dict(l2_reg_embedding=0.0, l2_reg_dnn=0.0, init_std=1e-4, seed=0, task="binary", device="cpu")
+        common = dict(l2_reg_embedding=0.0, l2_reg_dnn=0.0, init_std=1e-4, seed=seed, task="binary", device="cpu")
+        self.seqs = [str(s) for s in data.get("sequences", ())] if kind == "deepfm" else []
+        if self.seqs:
+            sparse = sparse + [VarLenSparseFeat(SparseFeat(s, int(n) + 1, dim), data["hist"].shape[2], combiner="mean",
+                                                length_name=f"{s}_length")
+                               for s, n in zip(self.seqs, data["sequence_buckets"])]
         if kind == "deepfm":
             self.model = dm.DeepFM(sparse + dense, sparse + dense, dnn_hidden_units=hidden, l2_reg_linear=0.0, **common)
         elif kind == "wdl":
@@ -203,6 +214,10 @@ class DeepCTRPeer:
                 x[:, index[f"I{d + 1}"][0]] = data["dense"][:, d]
                 if f"I{d + 1}_bucket" in index:
                     x[:, index[f"I{d + 1}_bucket"][0]] = data["dense_buckets"][:, d]
+            for s, name in enumerate(self.seqs):  # DeepFM's sequences: ids + 1, and their lengths
+                a, b = index[name]
+                x[:, a:b] = data["hist"][:, s] + 1
+                x[:, index[f"{name}_length"][0]] = (data["hist"][:, s] >= 0).sum(1)
             if self.kind == "din":
                 hist = data["hist"]  # [N, S, L], -1 padded at the end
                 for s, name in enumerate(k for k in index if k.startswith("hist_") and k != "hist_length"):
