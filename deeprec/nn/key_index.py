@@ -7,8 +7,9 @@ filter's pending keys and the PS shard's arena hold one each. The table is a ten
 copy, a pickle or a `deepcopy` of its owner copies it as it is (nothing to rebuild). Every
 call runs in C++ without the GIL; the owner's lock orders callers.
 
-`find_rows` looks up many indexes in one op call (a model's EmbeddingVariables, one per
-part): lookup-or-insert, deduplication and the rows' frequency counts together.
+`find_rows` reaches the op's whole interface (many indexes in one call: lookup-or-insert,
+deduplication, frequency counts); the EmbeddingVariables' fused lookup (deeprec/csrc/ev_lookup.cpp)
+runs the same find-or-insert core.
 """
 from __future__ import annotations
 

@@ -370,10 +370,8 @@ class EmbeddingVariable(EmbeddingLookup):
             self.freq.index_add_(0, rows[known], counts[known])
             return rows
 
-    def gather(self, rows: torch.Tensor, missing: bool = True) -> torch.Tensor:
-        """weight[rows]; rows < 0 read default_value_no_permission (`missing=False`: none is)."""
-        if not missing:
-            return self.weight.index_select(0, rows)
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """weight[rows]; rows < 0 read default_value_no_permission."""
         out = self.weight.index_select(0, rows.clamp_min(0))
         missing = rows < 0
         if missing.any():
@@ -517,13 +515,19 @@ class EmbeddingVariable(EmbeddingLookup):
 _NONE = torch.empty(0, dtype=torch.int64)
 
 
+def _locked(evs: list[EmbeddingVariable]) -> contextlib.ExitStack:
+    """Every variable's lock held (in list order) until the returned stack closes."""
+    held = contextlib.ExitStack()
+    for ev in evs:
+        held.enter_context(ev._lock)
+    return held
+
+
 def _native_lookup(evs: list[EmbeddingVariable], keys: list[torch.Tensor], counts: list, train: bool, dedup: bool):
     """(values [places of all variables, dim], [(rows, generation, inverse)] per variable) of variables on
     the native path, in one op call with every variable's lock held (deeprec/csrc/ev_lookup.cpp): keys
     found or (in training) inserted with their initial values, frequencies counted, rows gathered."""
-    with contextlib.ExitStack() as held:
-        for ev in evs:
-            held.enter_context(ev._lock)
+    with _locked(evs):
         if train:  # room for every key to be new
             for ev, part in zip(evs, keys):
                 ev._grow(ev.size + part.numel())
@@ -561,9 +565,7 @@ def apply_variables(optimizer, evs: list[EmbeddingVariable], found: list, grad: 
     if spec is None or not all(ev.native_path for ev in evs) or len({id(ev) for ev in evs}) < len(evs):
         return False
     kind, slot_names, hyper = spec
-    with contextlib.ExitStack() as held:
-        for ev in evs:
-            held.enter_context(ev._lock)
+    with _locked(evs):
         if any(ev.generation != generation for ev, (_, generation) in zip(evs, found)):
             return False
         optimizer.begin_step()
