@@ -9,12 +9,12 @@ import re
 import subprocess
 import sys
 
-import httpx
 import pytest
 import torch
 
 from deeprec.cli import sample_path
 from deeprec.data import open_reader, resolve_schema
+from test_own_model import _serve_one
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC = os.path.join(ROOT, "tests", "custom_models.py") + ":MixedEmbeddings"
@@ -47,18 +47,6 @@ def export_scores_as_evaluate(ck, tmp, compile: bool = False):
     return out, want, json.loads(evaluated.stdout.strip().splitlines()[-1])
 
 
-def _serve(export_dir, rows: dict, cwd) -> list:
-    proc = subprocess.Popen([sys.executable, "-m", "deeprec.cli", "serve", str(export_dir), "--port", "0"], cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        assert line.startswith("listening on http://127.0.0.1:"), (line, proc.stderr.read() if proc.poll() else "")
-        return httpx.post(f"{line.split()[-1]}/v1/predict", json={"inputs": rows}, timeout=60).json()["scores"]
-    finally:
-        proc.terminate()
-        proc.wait(30)
-
-
 def test_local_training_with_smart_stage_resumes_exactly_exports_and_serves(tmp_path):
     from deeprec.checkpoint import latest_checkpoint, load_checkpoint
     from test_serving import _json_rows
@@ -75,7 +63,7 @@ def test_local_training_with_smart_stage_resumes_exactly_exports_and_serves(tmp_
     assert torch.equal(a["evs.C1.keys"], a["evs.C2.keys"]) and torch.equal(a["evs.C1.values"], a["evs.C2.values"])
     out, want, _ = export_scores_as_evaluate(tmp_path / "run", tmp_path, compile=True)
     schema = resolve_schema([sample_path()], None)
-    scores = _serve(out, _json_rows(sample_path(), schema, 3), tmp_path)  # the compiled package, over HTTP
+    scores = _serve_one(out, _json_rows(sample_path(), schema, 3), tmp_path)  # the compiled package, over HTTP
     torch.testing.assert_close(torch.tensor(scores), want[:3], rtol=0, atol=1e-6)
 
 
