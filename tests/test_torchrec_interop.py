@@ -197,6 +197,31 @@ def test_bad_kjt_input_fails_naming_the_keys():
             ["a", "b", "c", "d"], torch.tensor([1, 2, 3, 7]), torch.ones(4, dtype=torch.long)))
 
 
+
+MALFORMED = {  # (lengths key-major: keys a, b, c, d over 2 rows; how many values): what each KJT is refused for
+    "too many values": ([1, 1, 1, 1, 0, 0, 1, 1], 7, r"KeyedJaggedTensor lengths sum to 6 but it holds 7 values: the "
+                                                    r"1 after key 'd' \(the last\) would be dropped"),
+    "a negative length": ([1, 1, 0, 0, 1, -1, 1, 1], 4, r"KeyedJaggedTensor key 'c': row 1 has length -1; lengths "
+                                                       r"must be >= 0"),
+    "too few values": ([1, 1, 2, 2, 0, 0, 1, 1], 5, r"KeyedJaggedTensor key 'b': its lengths reach id 6 but it holds "
+                                                   r"5 values"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_a_malformed_kjt_is_refused_at_the_edge_naming_its_key(case):
+    lengths, count, message = MALFORMED[case]
+    kjt = KeyedJaggedTensor(keys=["a", "b", "c", "d"], values=torch.arange(count) % 5, lengths=torch.tensor(lengths))
+    ebc = ti.EmbeddingBagCollection(TABLES)  # two collections (dims 4 and 8): the KJT is checked before either
+    with pytest.raises(ConfigError, match="EmbeddingCollection: " + message):
+        ebc(kjt)
+    with pytest.raises(ConfigError, match="from_kjt: " + message):
+        ti.from_kjt(kjt)
+    good = KeyedJaggedTensor(keys=["a", "b", "c", "d"], values=torch.arange(8) % 5,
+                             lengths=torch.ones(8, dtype=torch.long))
+    assert ebc(good).values().shape == (2, 20)  # a well-formed one passes: a, b, d of dim 4 and c of dim 8
+
+
 # -- a TorchRec model trained through deeprec ----------------------------------------------------------
 class NativeClick(nn.Module):
     """The example's model on deeprec's own input: ids dict -> EmbeddingCollection -> the same arches."""

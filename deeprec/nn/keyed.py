@@ -59,6 +59,9 @@ def kjt_bags(kjt, names: Sequence[str], known: Sequence[str] | None = None, owne
         raise ConfigError(f"{owner}: a KeyedJaggedTensor with {len(keys)} keys has {offsets.numel() - 1} bags, "
                           "not one per row and key")
     rows = (offsets.numel() - 1) // len(keys)
+    if not torch.compiler.is_exporting() and not getattr(kjt, "_deeprec_checked", False):
+        check_lengths(keys, values.numel(), offsets, rows, owner)
+        kjt._deeprec_checked = True  # once per batch: several collections may read one KJT
     out = []
     for k in (keys.index(n) for n in names):
         own = offsets[k * rows:(k + 1) * rows + 1]
@@ -69,6 +72,31 @@ def kjt_bags(kjt, names: Sequence[str], known: Sequence[str] | None = None, owne
         start, end = int(own[0]), int(own[-1])
         out += [values[start:end], own if start == 0 else own - start]
     return tuple(out)
+
+
+def check_lengths(keys: Sequence[str], count: int, offsets: torch.Tensor, rows: int, owner: str) -> None:
+    """A KJT's lengths, checked at the edge, before any lookup reads its values: each key's are >= 0
+    and together they sum to the values' length (else ids would be dropped, or read past the end).
+    On CPU (one copy of the offsets from a device); each error names the key."""
+    offsets = offsets.detach().cpu()
+    lengths = offsets[1:] - offsets[:-1]
+    negative = torch.nonzero(lengths < 0)
+    if negative.numel():
+        i = int(negative[0])
+        raise ConfigError(f"{owner}: KeyedJaggedTensor key {keys[i // rows]!r}: row {i % rows} has length "
+                          f"{int(lengths[i])}; lengths must be >= 0")
+    start, total = int(offsets[0]), int(offsets[-1] - offsets[0])
+    if start != 0:
+        raise ConfigError(f"{owner}: KeyedJaggedTensor key {keys[0]!r}: its offsets start at {start}, not 0")
+    if total < count:
+        raise ConfigError(f"{owner}: KeyedJaggedTensor lengths sum to {total} but it holds {count} values: the "
+                          f"{count - total} after key {keys[-1]!r} (the last) would be dropped; lengths must sum to "
+                          "the values' length")
+    if total > count:
+        k = int(torch.nonzero(offsets[rows::rows] > count)[0])  # the first key whose bags end past the values
+        raise ConfigError(f"{owner}: KeyedJaggedTensor key {keys[k]!r}: its lengths reach id "
+                          f"{int(offsets[(k + 1) * rows])} but it holds {count} values; lengths must sum to the "
+                          "values' length")
 
 
 def kjt_columns(kjt, names: Sequence[str], known: Sequence[str] | None = None,
