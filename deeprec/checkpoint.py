@@ -38,13 +38,17 @@ def manifest_path(path: str) -> str:
 def save_checkpoint(directory: str, step: int, state: dict, keep: int = 3, kind: str = "checkpoint") -> str:
     """kind "checkpoint": a full save (older incremental ones become obsolete and are
     removed); kind "incremental": the rows touched since the last full save."""
-    os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"{kind}-{step:09d}.pt")
     buffer = io.BytesIO()
     torch.save(state, buffer)  # serialized first: a state that fails to pickle leaves no file
     payload = buffer.getbuffer()
-    write_with_manifest(path, manifest_path(path), payload, {"format": FORMAT, "kind": kind, "step": step},
-                        prefix=TEMP_PREFIX)
+    try:  # a full disk: no file of this checkpoint is left, the older ones stay intact
+        os.makedirs(directory, exist_ok=True)
+        write_with_manifest(path, manifest_path(path), payload, {"format": FORMAT, "kind": kind, "step": step},
+                            prefix=TEMP_PREFIX)
+    except OSError as err:
+        _remove_unverified(path)  # a payload whose manifest could not follow it
+        raise CheckpointError(f"cannot be written ({err.strerror or err})", path) from None
     if kind == "checkpoint":
         for old in list_checkpoints(directory)[:-keep]:
             _remove(old)
@@ -58,6 +62,13 @@ def _remove(path: str) -> None:
     for p in (manifest_path(path), path):  # the manifest first: a half-removed checkpoint reads as incomplete
         if os.path.exists(p):
             os.unlink(p)
+
+
+def _remove_unverified(path: str) -> None:
+    try:
+        verified_payload(path)
+    except CheckpointError:
+        _remove(path)
 
 
 def remove_stale_temporaries(directory: str) -> list[str]:

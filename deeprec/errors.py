@@ -47,6 +47,15 @@ class CheckpointError(DeepRecError):
         self.path, self.reason = path, message
 
 
+class ExportError(DeepRecError):
+    """A serving export written while training (--export-dir) that could not be written (a full disk, a
+    folder that cannot be written); ``path`` is the export folder, ``step`` the step exported."""
+
+    def __init__(self, path: str, step: int, err: OSError):
+        super().__init__(f"--export-dir {path}: the export of step {step} cannot be written ({err.strerror or err})")
+        self.path, self.step, self.reason = path, step, err.strerror or str(err)
+
+
 class ConfigError(DeepRecError, ValueError):
     """An option with a value outside its allowed set or range."""
 

@@ -14,15 +14,25 @@
 One run per process: DIR itself for a local run, DIR/rank-R for a collective rank, DIR/worker-I
 for a parameter-server worker, so TensorBoard shows a job's processes as runs side by side.
 A resumed run purges the events past its checkpoint's step (they belong to steps done again).
+
+A write that fails during the run (a full disk: OSError, in tensorboard's writer thread or here)
+never ends it: one warning line names the folder and the OS error, logging turns off, training goes
+on (docs/reliability.md, "A failure keeps the work"). A folder that cannot be written at the start
+is a ConfigError naming --log-dir.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import math
 import os
+import threading
 import time
 
 from deeprec.errors import ConfigError, without_password
+
+log = logging.getLogger("deeprec.runlog")
 
 UNPLOTTED = ("tasks", "rows", "auc_error_bound", "gauc_rows", "retrieval_candidates")  # sizes, not quality
 
@@ -37,10 +47,34 @@ def _flat(prefix: str, values: dict) -> dict[str, float]:
     return out
 
 
-class RunLog:
-    """TensorBoard scalars of a training run, written every `every` steps and at each evaluation."""
+def _quiet_writer_thread(hook):
+    """threading.excepthook that leaves out tensorboard's event writer thread dying of an OSError (a
+    full disk): the writer raises it again in the main thread, where RunLog reports it in one line."""
+    def quiet(args):
+        if type(args.thread).__name__ == "_AsyncWriterThread" and issubclass(args.exc_type, OSError):
+            return
+        hook(args)
+    quiet.deeprec_quiet = True
+    return quiet
 
-    def __init__(self, log_dir: str, run: str | None, every: int, start_step: int = 0):
+
+def _writes(method):
+    """A RunLog method that writes: after a failed write it does nothing; an OSError turns logging off."""
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        if self.failed is None:
+            try:
+                method(self, *args, **kwargs)
+            except OSError as err:
+                self._fail(err)
+    return guarded
+
+
+class RunLog:
+    """TensorBoard scalars of a training run, written every `every` steps and at each evaluation.
+    `warn(line)`: how a failed write is reported, once (default: the log)."""
+
+    def __init__(self, log_dir: str, run: str | None, every: int, start_step: int = 0, warn=None):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as err:  # tensorboard is a dependency; a broken install is named
@@ -50,16 +84,35 @@ class RunLog:
             os.makedirs(self.path, exist_ok=True)
         except OSError as err:
             raise ConfigError(f"--log-dir {log_dir}: cannot create {self.path}: {err.strerror}") from None
-        self.writer = SummaryWriter(self.path, purge_step=start_step + 1 if start_step else None)  # past the resume
+        if not getattr(threading.excepthook, "deeprec_quiet", False):
+            threading.excepthook = _quiet_writer_thread(threading.excepthook)
+        self.warn = warn or log.warning
+        self.failed: OSError | None = None
+        try:
+            self.writer = SummaryWriter(self.path, purge_step=start_step + 1 if start_step else None)  # past the resume
+        except OSError as err:
+            raise ConfigError(f"--log-dir {log_dir}: cannot write TensorBoard events in {self.path}: "
+                              f"{err.strerror or err}") from None
         self.every = every
         self._window(start_step, stage_seconds=0.0, staged=0)
         self.noted: set[str] = set()
+
+    def _fail(self, err: OSError) -> None:
+        """Warn once, naming the folder and the OS error; no more writes (training goes on)."""
+        self.failed = err
+        self.warn(f"--log-dir {self.path}: cannot write TensorBoard events ({err.strerror or err}): logging is off "
+                  "for the rest of the run; training goes on")
+        try:
+            self.writer.close()  # its thread has stopped; what it still holds cannot be written
+        except OSError:
+            pass
 
     def _window(self, step: int, stage_seconds: float, staged: int) -> None:
         self.window_start, self.window_step = time.perf_counter(), step
         self.loss_sum, self.losses, self.rows = 0.0, 0, 0
         self.stage_seconds, self.staged = stage_seconds, staged
 
+    @_writes
     def text(self, tag: str, body: str, step: int = 0) -> None:
         """Written once per tag (the config, SmartStage's pick)."""
         if tag not in self.noted:
@@ -71,6 +124,7 @@ class RunLog:
                  for f in dataclasses.fields(cfg)]
         self.text("config", without_password("\n".join(lines)))  # indented: TensorBoard renders it as code, one section a line
 
+    @_writes
     def step(self, step: int, loss: float, rows: int, stage=None, counters=None) -> None:
         """After each step; every `every` steps writes the window's scalars. `stage`: SmartStage's
         PrefetchStats (cumulative); `counters()`: the Strategy's, called only when writing."""
@@ -96,6 +150,7 @@ class RunLog:
             self.writer.add_scalar(tag, value, step)
         self._window(step, stage_seconds, staged)
 
+    @_writes
     def evaluation(self, step: int, metrics: dict) -> None:
         tasks = {task: {k: v for k, v in values.items() if k not in UNPLOTTED}
                  for task, values in (metrics.get("tasks") or {}).items()}
@@ -105,7 +160,9 @@ class RunLog:
                 self.writer.add_scalar(tag, value, step)
         self.writer.flush()
 
+    @_writes
     def close(self) -> None:
+        self.writer.flush()  # raises what the writer thread met, if it met anything
         self.writer.close()
 
 

@@ -27,6 +27,8 @@ from deeprec.optim import OPTIMIZERS
 from deeprec.options import build, check_fields, check_keys, option, section_aliases
 from deeprec.runtime.device import DEVICES
 
+FOLLOW_CHECKPOINT_EVERY = 1000  # --checkpoint-every under --follow unless given
+
 
 @dataclass
 class DataConfig:
@@ -130,8 +132,8 @@ class CheckpointConfig:
 
     dir: str | None = option(None, flag="--checkpoint-dir")
     """folder of the checkpoints"""
-    every: int = option(0, flag="--checkpoint-every", ge=0)
-    """steps between checkpoints; 0: only at the end"""
+    every: int | None = option(None, flag="--checkpoint-every", ge=0)
+    """steps between checkpoints; 0: only at the end (default: 1000 under --follow, else 0)"""
     incremental_every: int = option(0, ge=0)
     """steps between incremental checkpoints (EmbeddingVariable rows touched since the last full one)"""
     resume: bool = option(False)
@@ -226,6 +228,8 @@ class TrainConfig:
             raise ConfigError("--follow reads each file once as it lands: drop --epochs (--steps bounds the run)")
         if self.data.follow and self.data.eval_fraction:
             raise ConfigError("--follow cannot hold out --eval-fraction of data still landing: give --eval-data")
+        if self.checkpoint.every is None:  # a trainer that never ends keeps its work: docs/training.md
+            self.checkpoint.every = FOLLOW_CHECKPOINT_EVERY if self.data.follow else 0
         if self.data.follow and self.optimize.smart_stage_options.executor == "process":
             raise ConfigError("--follow runs SmartStage's stage in a thread (the wait for new files must see a stop "
                               "request): give --stage-executor thread or auto")

@@ -37,6 +37,7 @@ from deeprec.nn.tiered import use_storage
 from deeprec.progress import get_console as progress_console
 from deeprec.runtime import optimize
 from deeprec.runtime.device import DeviceBatches, resolve_device
+from deeprec.runtime.keep_work import KeepWork
 from deeprec.runtime.memory import tune_malloc
 from deeprec.runtime.signals import Interrupted, StopOnSignals
 from deeprec.runtime.strategy import LocalStrategy, Strategy
@@ -94,6 +95,8 @@ class Trainer:
         self._reader_state = self.train_reader.state_dict()  # position of the last batch trained on
         self._eval_start = self.eval_reader.state_dict() if self.eval_reader is not None else None
         self.skipped_nonfinite = 0
+        self.last_saved: tuple[int, str] | None = None  # (step, path) of the newest checkpoint of this run
+        self.keep = KeepWork(self)  # an error that ends the run saves the last completed step first
         self.eval_history: list[dict] = []  # --eval-every
         self.exports = None
         if cfg.export.dir and self.strategy.is_chief:
@@ -108,7 +111,8 @@ class Trainer:
                               f"{cfg.checkpoint.dir}: give --steps above {self.step} to train on")
         self.runlog = None
         if cfg.training.log_dir:  # after the resume: its step is where the run's events go on
-            self.runlog = RunLog(cfg.training.log_dir, self.strategy.run_name, cfg.training.log_every, self.step)
+            self.runlog = RunLog(cfg.training.log_dir, self.strategy.run_name, cfg.training.log_every, self.step,
+                                 warn=self._warn)
             self.runlog.config(cfg)
 
     def _model_overrides(self) -> dict:
@@ -141,11 +145,14 @@ class Trainer:
                 "torch_rng": torch.get_rng_state(), **self.updater.state_dict()}
 
     def save(self, incremental: bool = False) -> str:
+        directory = self.strategy.checkpoint_dir(self.cfg.checkpoint.dir)
         if incremental:
             with incremental_state_dict():
-                return save_checkpoint(self.strategy.checkpoint_dir(self.cfg.checkpoint.dir), self.step, self.state(),
-                                       kind="incremental")
-        return save_checkpoint(self.strategy.checkpoint_dir(self.cfg.checkpoint.dir), self.step, self.state())
+                path = save_checkpoint(directory, self.step, self.state(), kind="incremental")
+        else:
+            path = save_checkpoint(directory, self.step, self.state())
+        self.last_saved = (self.step, path)
+        return path
 
     def _restore(self) -> None:
         found = self.strategy.restore(self.cfg.checkpoint.dir, self.train_reader)
@@ -162,6 +169,7 @@ class Trainer:
                 raise ConfigError(f"{path} holds a {state['model_name']!r} model, not {self.spec!r}")
             self.updater.load_state_dict(state)
         self.go_on_from(found.reader, state)
+        self.last_saved = (self.step, found.states[-1][0])
         self.console.print(f"resumed from {', '.join(os.path.basename(p) for p, _ in found.states)} at step {self.step}"
                            f"{self._why()}")
 
@@ -210,9 +218,9 @@ class Trainer:
         elif (cfg.export.incremental_every and step % cfg.export.incremental_every == 0) or final:
             self.exports.delta(step)
 
-    def _nonfinite(self, what: str) -> None:
-        """A step that was not applied (its loss or dense gradient is inf or nan)."""
-        position = self._reader_state
+    def _nonfinite(self, what: str, position: dict | None) -> None:
+        """A step that was not applied (its loss or dense gradient is inf or nan); `position`: the reader's after
+        its batch."""
         where = f"epoch {position['epoch']}, batch {position['batches']}" if position else "unknown position"
         if self.cfg.training.on_nan == "raise":
             raise NonFiniteError(f"non-finite {what} at step {self.step + 1} (reader {where}; the step was not "
@@ -242,7 +250,8 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------
     def train(self) -> dict:
         """Train to cfg.training.steps (or cfg.training.epochs); on SIGINT/SIGTERM finish the step, checkpoint and raise
-        `Interrupted`. Returns throughput, final loss and evaluation metrics."""
+        `Interrupted`; an error that ends the run saves the last completed step first (deeprec.runtime.keep_work).
+        Returns throughput, final loss and evaluation metrics."""
         cfg, total = self.cfg, self.cfg.training.steps
         self.model.train()
         start_step, rows, losses, steady = self.step, 0, [], None
@@ -251,18 +260,20 @@ class Trainer:
             self.train_reader.should_stop = lambda: stop.requested
         started = time.perf_counter()
         steps = self._steps()
-        with stop, progress, contextlib.closing(steps), self._runlog_closed_on_error():
+        with stop, progress, self.keep.guard(), contextlib.closing(steps), self._runlog_closed_on_error():
             task = progress.add_task("train", total=total, completed=self.step, loss=float("nan"), rate=0.0)
             resumed = None  # the first step after a recovery from an error in _after_step
             while resumed is not None or total is None or self.step < total:
                 with record_function("deeprec.step"):
-                    out, self._reader_state = resumed or next(steps, (None, self._reader_state))
+                    out, position = resumed or next(steps, (None, self._reader_state))
                 resumed = None
                 if out is None:
                     break
                 if "nonfinite" in out:
-                    self._nonfinite(out["nonfinite"])
+                    self._nonfinite(out["nonfinite"], position)  # --on-nan raise: before the position passes it
+                    self._reader_state = position
                     continue
+                self._reader_state = position  # of the last batch trained on
                 if self.step - start_step == STEADY_AFTER:
                     steady = (time.perf_counter(), rows + len(out["logits"]))
                 rows += len(out["logits"])
@@ -277,7 +288,7 @@ class Trainer:
                 try:
                     self._after_step(progress)
                 except Exception as err:  # noqa: BLE001 - e.g. a PS restart seen by a checkpoint's snapshot
-                    failed = err
+                    failed = self.keep.mark(err)
                 if failed is not None:  # recovered outside the handler: the next step's errors are its own
                     resumed = self._recover_in_steps(steps, failed)
                     continue
@@ -285,15 +296,16 @@ class Trainer:
                     self._stop(stop.signal)
         closing_log = contextlib.closing(self.runlog) if self.runlog is not None else contextlib.nullcontext()
         with stop, closing_log:  # a signal during the tail: it completes, then the run says it was stopped
-            self.updater.finish()
-            if self.exports is not None:
-                self._export_now(final=True)  # the served model catches up with the trained one
-            elapsed = time.perf_counter() - started
-            saved = self.save() if cfg.checkpoint.dir and self.step > start_step else None
-            result = self._result(start_step, rows, losses, steady, started, elapsed, evaluate=not stop.requested)
-            evaluated = self.eval_history and self.eval_history[-1]["step"] == self.step
-            if self.runlog is not None and "eval" in result and not evaluated:
-                self.runlog.evaluation(self.step, result["eval"])
+            self.updater.finish()  # the last step's (a held PS push): an error here is not saved
+            with self.keep.guard(between_steps=True):
+                if self.exports is not None:
+                    self._export_now(final=True)  # the served model catches up with the trained one
+                elapsed = time.perf_counter() - started
+                saved = self.save() if cfg.checkpoint.dir and self.step > start_step else None
+                result = self._result(start_step, rows, losses, steady, started, elapsed, evaluate=not stop.requested)
+                evaluated = self.eval_history and self.eval_history[-1]["step"] == self.step
+                if self.runlog is not None and "eval" in result and not evaluated:
+                    self.runlog.evaluation(self.step, result["eval"])
         if stop.requested:
             raise Interrupted(stop.signal, self.step, saved)
         return result
@@ -339,6 +351,9 @@ class Trainer:
         if self.runlog is not None:
             self.runlog.close()
         raise Interrupted(signum, self.step, path)
+
+    def _warn(self, line: str) -> None:
+        self.console.print(f"[yellow]warning:[/yellow] {escape(line)}", highlight=False)
 
     def _log_step(self, loss: float, rows: int) -> None:
         """--log-dir: the step into the window; SmartStage auto's pick once it has measured."""

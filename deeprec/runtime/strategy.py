@@ -119,6 +119,8 @@ class Strategy(abc.ABC):
         return False
 
     # -- checkpoints -----------------------------------------------------------------
+    saves_on_failure = True  # an error that ends the run is saved first (deeprec.runtime.keep_work)
+
     def checkpoint_dir(self, base: str) -> str:
         return base
 

@@ -18,6 +18,7 @@ serving pads a 1-row request to 2 rows, as torch.export specializes sizes 0 and 
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
 import shutil
@@ -143,6 +144,15 @@ def _write_manifest(staging: str, manifest: dict) -> None:
         json.dump(manifest, f, indent=1)
 
 
+def _check_room(folder: str, needed: int) -> None:
+    """An OSError (ENOSPC) unless the folder's filesystem has `needed` bytes free: torch.export.save aborts
+    the process (a C++ exception thrown in a destructor) when the disk fills under it, so the room the
+    export's copies of its weights take (the program, the tables, a compiled package) is checked first."""
+    stat = os.statvfs(folder)
+    if stat.f_bavail * stat.f_frsize < needed:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), folder)
+
+
 def _write(program, model, path: str, schema: Schema, batch: dict, model_name, step: int, shown,
            frozen: torch.nn.Module, compile: bool = True) -> None:
     """The export's files into a staging folder, then swapped in for `path` (replace_dir)."""
@@ -150,9 +160,10 @@ def _write(program, model, path: str, schema: Schema, batch: dict, model_name, s
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".export-", dir=parent)
     try:
+        tensors = {**program.state_dict, **{k: v for k, v in program.constants.items() if isinstance(v, torch.Tensor)}}
+        _check_room(staging, (2 + compile) * sum(t.numel() * t.element_size() for t in tensors.values()) + (1 << 20))
         torch.export.save(program, os.path.join(staging, PROGRAM))
         shown.stage(STAGES[3])
-        tensors = {**program.state_dict, **{k: v for k, v in program.constants.items() if isinstance(v, torch.Tensor)}}
         tensors, shared = shared_names(frozen, tensors)  # a module under several names: stored once
         save_file({k: v.detach().contiguous() for k, v in tensors.items()}, os.path.join(staging, TABLES))
         compiled = []

@@ -25,9 +25,11 @@ import re
 import shutil
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from deeprec.atomic import sha256_file, write_with_manifest
+from deeprec.errors import ExportError
 from deeprec.serving.export import FORMAT, export
 from deeprec.serving.frozen import merged
 
@@ -58,6 +60,21 @@ def _variables(model: torch.nn.Module) -> dict:
     return {name: m for name, m in model.named_modules() if isinstance(m, EmbeddingVariable)}
 
 
+@contextlib.contextmanager
+def _writing(directory: str, step: int):
+    """An export that cannot be written (a full disk): an ExportError naming the folder, the step and the
+    OS error, for the trainer to end the run with after its checkpoint (docs/reliability.md)."""
+    try:
+        yield
+    except OSError as err:
+        raise ExportError(directory, step, err) from None
+    except SafetensorError as err:  # safetensors' own error for a failed write: "... (os error 28)"
+        code = re.search(r"\(os error (\d+)\)", str(err))
+        if code is None:
+            raise
+        raise ExportError(directory, step, OSError(int(code[1]), os.strerror(int(code[1])))) from None
+
+
 class ExportWriter:
     """Writes a training model's full exports and deltas into `directory`."""
 
@@ -75,6 +92,15 @@ class ExportWriter:
         self._marks = {name: ev.global_step for name, ev in _variables(self.model).items()}
 
     def full(self, step: int) -> str:
+        with _writing(self.directory, step):
+            return self._full(step)
+
+    def delta(self, step: int) -> str:
+        """The rows updated since the last export, and the dense weights (a full export if none yet)."""
+        with _writing(self.directory, step):
+            return self._full(step) if self.last_step is None else self._delta(step)
+
+    def _full(self, step: int) -> str:
         path = export(self.model, os.path.join(self.directory, f"full-{step:09d}"), schema=self.schema,
                       model_name=self.model_name, step=step, compile=self.compile)
         self._mark()
@@ -89,10 +115,7 @@ class ExportWriter:
                 os.unlink(os.path.join(self.directory, name))
         return path
 
-    def delta(self, step: int) -> str:
-        """The rows updated since the last export, and the dense weights (a full export if none yet)."""
-        if self.last_step is None:
-            return self.full(step)
+    def _delta(self, step: int) -> str:
         tensors = {}
         variables = _variables(self.model)
         for name, ev in variables.items():
@@ -100,9 +123,15 @@ class ExportWriter:
         for name, t in [*self.model.named_parameters(), *self.model.named_buffers()]:
             tensors[name] = t.detach().clone().contiguous()
         base = os.path.join(self.directory, f"delta-{step:09d}")
-        write_with_manifest(base + ".safetensors", base + ".json", lambda tmp: save_file(tensors, tmp),
-                            {"format": FORMAT, "step": step, "after": self.last_step, "variables": sorted(variables),
-                             "rows": sum(int(tensors[f"{n}.keys"].numel()) for n in variables)})
+        try:
+            write_with_manifest(base + ".safetensors", base + ".json", lambda tmp: save_file(tensors, tmp),
+                                {"format": FORMAT, "step": step, "after": self.last_step,
+                                 "variables": sorted(variables),
+                                 "rows": sum(int(tensors[f"{n}.keys"].numel()) for n in variables)})
+        except OSError:
+            if os.path.exists(base + ".safetensors") and not os.path.exists(base + ".json"):
+                os.unlink(base + ".safetensors")  # a payload its manifest could not follow
+            raise
         self._mark()
         self.last_step = step
         return base + ".safetensors"

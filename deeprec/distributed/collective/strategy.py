@@ -19,6 +19,7 @@ from deeprec.runtime.strategy import OneProcessCheckpoint, Restored, Strategy
 
 class Collective(Strategy):
     name = "collective"
+    saves_on_failure = False  # the ranks save one step together: one rank's save alone is no resume point
 
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
