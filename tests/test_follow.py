@@ -178,3 +178,119 @@ def test_workers_of_a_job_split_the_files_whole(tmp_path):
         assert all(sum(1 for r in mine if r // 3 == f) == 3 for f in files)  # whole files only
         rows += mine
     assert sorted(rows) == list(range(24))  # every row once across the workers
+
+
+# -- a file's faults never end the stream (issue 42) ----------------------------------------
+def write_old(folder, name: str, first: int, rows: int, bad_line: int | None = None, header: str = "label,row,x"):
+    """A file landed a while ago (taken at the first look); line `bad_line` (1 = the header) not a number."""
+    lines = [header] + [f"{k % 2},{k},{k * 0.5}" for k in range(first, first + rows)]
+    if bad_line is not None:
+        lines[bad_line - 1] = f"x,{first + bad_line - 2},0.5"
+    path = os.path.join(folder, name)
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.utime(path, (time.time() - 60, time.time() - 60))
+    return path
+
+
+def rows_of(reader) -> list[int]:
+    return [r for b in reader for r in b["row"].tolist()]
+
+
+def test_a_bad_row_under_raise_quarantines_its_file_and_the_stream_goes_on(tmp_path, caplog):
+    h0, h1, h2 = (write_old(tmp_path, "h0.csv", 0, 20), write_old(tmp_path, "h1.csv", 20, 100, bad_line=51),
+                  write_old(tmp_path, "h2.csv", 120, 20))
+    reader = follow(tmp_path, batch=10, chunk_bytes=300)  # chunks of ~30 lines: those before line 51's are read
+    reader.should_stop = lambda: True  # no wait: stop once nothing is new
+    with caplog.at_level("WARNING", logger="deeprec.data"):
+        rows = rows_of(reader)
+    kept = [r for r in rows if 20 <= r < 120]
+    assert kept == list(range(20, 20 + len(kept))) and 0 < len(kept) < 49  # whole chunks before the bad row
+    assert rows == list(range(20)) + kept + list(range(120, 140))  # h2 after it, each row once
+    assert list(reader.quarantined) == [h1] and f"{h1}:51: " in reader.quarantined[h1]
+    assert reader.done == [h0, h2]
+    said = [r.getMessage() for r in caplog.records if "quarantined" in r.getMessage()]
+    assert len(said) == 1 and f"quarantined {h1} after {h1}:51: column label" in said[0], said
+    resumed = follow(tmp_path, batch=10, chunk_bytes=300)
+    resumed.load_state_dict(reader.state_dict())
+    resumed.should_stop = lambda: True
+    assert rows_of(resumed) == [] and list(resumed.quarantined) == [h1]  # never read again
+
+
+def test_a_quarantine_mid_set_resumes_exactly(tmp_path):
+    write_old(tmp_path, "h0.csv", 0, 20)
+    write_old(tmp_path, "h1.csv", 20, 100, bad_line=51)
+    write_old(tmp_path, "h2.csv", 120, 40)
+    whole = follow(tmp_path, batch=10, chunk_bytes=300)
+    whole.should_stop = lambda: True
+    expected = rows_of(whole)
+    first = follow(tmp_path, batch=10, chunk_bytes=300)
+    first.should_stop = lambda: True
+    it, head = iter(first), []
+    while not head or head[-1] < 125:  # past the quarantine, into h2
+        head += next(it)["row"].tolist()
+    resumed = follow(tmp_path, batch=10, chunk_bytes=300)
+    resumed.load_state_dict(first.state_dict())
+    resumed.should_stop = lambda: True
+    assert head + rows_of(resumed) == expected
+
+
+def test_a_bad_row_under_skip_is_skipped_and_counted(tmp_path):
+    write_old(tmp_path, "h0.csv", 0, 100, bad_line=51)
+    write_old(tmp_path, "h1.csv", 100, 20)
+    reader = follow(tmp_path, batch=10, on_bad_row="skip")
+    reader.should_stop = lambda: True
+    assert rows_of(reader) == [r for r in range(120) if r != 49]
+    assert reader.stats.bad_rows == 1 and reader.quarantined == {} and len(reader.done) == 2
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_a_file_that_cannot_be_read_is_quarantined_and_the_others_are_read(tmp_path, caplog, policy):
+    write_old(tmp_path, "h0.csv", 0, 20)
+    lacking = write_old(tmp_path, "h1.csv", 20, 20, header="label,row,y")  # its header lacks x
+    write_old(tmp_path, "h2.csv", 40, 20)
+    reader = follow(tmp_path, batch=8, on_bad_row=policy)
+    reader.should_stop = lambda: True
+    with caplog.at_level("WARNING", logger="deeprec.data"):
+        assert rows_of(reader) == list(range(20)) + list(range(40, 60))
+    assert list(reader.quarantined) == [lacking] and "header lacks column(s) x" in reader.quarantined[lacking]
+    assert any(f"quarantined {lacking} after {lacking}:1: header lacks" in r.getMessage() for r in caplog.records)
+
+
+def test_rows_appended_or_a_file_renamed_over_a_name_read_are_reported_once(tmp_path, caplog):
+    h0, h1 = write_old(tmp_path, "h0.csv", 0, 10), write_old(tmp_path, "h1.csv", 10, 10)
+    reader = follow(tmp_path, batch=4)
+    reader.should_stop = lambda: True
+    assert rows_of(reader) == list(range(20))
+    size = os.path.getsize(h0)
+    with open(h0, "a") as f:  # a writer appending to a file already taken
+        f.write("1,20,10.0\n")
+    write_hour(tmp_path, "h1.csv", 100, 5)  # a new file renamed over a name already read
+    with caplog.at_level("WARNING", logger="deeprec.data"):
+        assert rows_of(reader) == []  # neither is read: a file is read once, at the version taken
+        assert rows_of(reader) == []  # and each change is said once
+    said = [r.getMessage() for r in caplog.records if "after it was taken" in r.getMessage()]
+    assert len(said) == 2, said
+    assert said[0].startswith(f"--follow: {h0} grew from {size} to {size + 10} bytes after it was taken; it is not read again")
+    assert said[1].startswith(f"--follow: {h1} was replaced by another file or object")
+    assert "land new rows as a new file" in said[0]
+    write_hour(tmp_path, "h2.csv", 20, 3)  # new names are still read
+    os.utime(tmp_path / "h2.csv", (time.time() - 60, time.time() - 60))
+    assert rows_of(reader) == [20, 21, 22]
+
+
+def test_the_trainer_trains_on_past_a_quarantined_file(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    write_old(data, "h0.csv", 0, 64)
+    write_old(data, "h1.csv", 64, 64, bad_line=30)
+    write_old(data, "h2.csv", 128, 64)
+    schema = tmp_path / "schema.toml"
+    schema.write_text('delimiter = ","\nheader = true\n[[column]]\nname = "label"\nkind = "label"\n'
+                      '[[column]]\nname = "row"\nkind = "categorical"\ndtype = "int"\n'
+                      '[[column]]\nname = "x"\nkind = "dense"\n')
+    cfg = TrainConfig.create(model="wdl", data=[str(data)], schema=str(schema), follow=True, follow_interval=0.05,
+                             batch_size=16, steps=8, progress=False, on_bad_row="raise")
+    trainer = Trainer(cfg)
+    assert trainer.train()["rows"] == 128  # h0 and h2: h1's one chunk held its bad row
+    assert list(trainer.train_reader.quarantined) == [str(data / "h1.csv")]

@@ -1,4 +1,5 @@
 import math
+import re
 
 import pytest
 import torch
@@ -204,3 +205,66 @@ def test_a_device_file_and_mixed_formats_are_refused_before_reading(tmp_path, sa
     (tmp_path / "b.parquet").write_bytes(b"PAR1")
     with pytest.raises(ConfigError, match="mixes Parquet .*b.parquet.* and text files .*a.txt"):
         open_reader([str(tmp_path)], 32)
+
+
+# -- errors point at the right place (issue 42) ------------------------------------------------
+PLACES = dr.data.Schema((dr.data.Column("label", "label"), dr.data.Column("row", "categorical", dtype="int"),
+                         dr.data.Column("price", "dense")))
+
+
+@pytest.mark.parametrize("kind", ["parquet", "orc"])
+def test_bad_rows_are_named_and_warned_in_row_order(tmp_path, caplog, kind):
+    import pyarrow as pa
+    import pyarrow.orc as orc
+    import pyarrow.parquet as pq
+
+    labels = [0.0 if k not in (7, 57, 107, 157) else 2.0 for k in range(200)]
+    table = pa.table({"label": labels, "row": list(range(200)), "price": [0.5] * 200})
+    path = tmp_path / f"bad.{kind}"
+    (pq.write_table if kind == "parquet" else orc.write_table)(table, path)
+    where = "row group 0" if kind == "parquet" else "stripe 0"
+    with pytest.raises(DataError, match=rf"bad\.{kind}:{where}:row 7: label must be 0 or 1, found 2$"):
+        collect(dr.data.open_reader(str(path), 64, schema=PLACES))
+    skipping = dr.data.open_reader(str(path), 64, schema=PLACES, on_bad_row="skip")
+    with caplog.at_level("WARNING", logger="deeprec.data"):
+        assert sum(len(b["label"]) for b in skipping) == 196
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping bad row")]
+    assert [re.search(r":row (\d+):", s).group(1) for s in said] == ["7", "57", "107", "157"]
+
+
+def test_a_utf8_bom_before_the_header_or_the_first_row_is_not_data(tmp_path):
+    body = "label,row,price\n" + "".join(f"{k % 2},{k},{k}.5\n" for k in range(30))
+    with_header = tmp_path / "excel.csv"
+    with_header.write_bytes(b"\xef\xbb\xbf" + body.encode())
+    rows = [r for b in dr.data.open_reader(str(with_header), 8, schema=PLACES) for r in b["row"].tolist()]
+    assert rows == list(range(30))
+    headless = tmp_path / "headless.csv"
+    headless.write_bytes(b"\xef\xbb\xbf" + body.split("\n", 1)[1].encode())
+    schema = dr.data.Schema(PLACES.columns, header=False)
+    batch = next(iter(dr.data.open_reader(str(headless), 30, schema=schema)))
+    assert batch["row"].tolist() == list(range(30)) and batch["label"].tolist()[:2] == [0.0, 1.0]
+    preset = tmp_path / "criteo.tsv"  # a preset is still found from a header after a BOM
+    names = ["label"] + [f"I{i}" for i in range(1, 14)] + [f"C{i}" for i in range(1, 27)]
+    preset.write_bytes(b"\xef\xbb\xbf" + ("\t".join(names) + "\n" + "\t".join(["1"] + ["2"] * 13 + ["a"] * 26)
+                                         + "\n").encode())
+    assert dr.data.open_reader(str(preset), 4).schema.name == "Criteo"
+
+
+def test_a_partition_value_beyond_int64_is_a_bad_row_and_a_signed_one_reads(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = dr.data.Schema(PLACES.columns + (dr.data.Column("hour", "categorical", dtype="int"),))
+    table = pa.table({"label": [0.0, 1.0, 0.0], "row": [0, 1, 2], "price": [0.5] * 3})
+    for hour in ("05", "+7", "99999999999999999999"):
+        (tmp_path / f"hour={hour}").mkdir()
+        pq.write_table(table, tmp_path / f"hour={hour}" / "p.parquet")
+    with pytest.raises(DataError, match=r"hour=99999999999999999999/p\.parquet:row group 0:row 0: column hour: "
+                                        r"'99999999999999999999' is beyond the int64 range$"):
+        collect(dr.data.open_reader(str(tmp_path), 9, schema=schema))
+    skipping = dr.data.open_reader(str(tmp_path), 9, schema=schema, on_bad_row="skip")
+    assert [h for b in skipping for h in b["hour"].tolist()] == [5, 5, 5, 7, 7, 7] and skipping.stats.bad_rows == 3
+    text = tmp_path / "hours.csv"  # the same values in a text column
+    text.write_text("label,row,price,hour\n0,0,0.5,+7\n1,1,0.5,99999999999999999999\n0,2,0.5,-3\n")
+    skipping = dr.data.CsvReader(str(text), schema, 8, on_bad_row="skip")
+    assert [h for b in skipping for h in b["hour"].tolist()] == [7, -3] and skipping.stats.bad_rows == 1

@@ -1,101 +1,21 @@
 """Remote data (fsspec URLs) against a real S3 server on loopback, and compressed files (.gz, .zst, .bz2).
 
-The S3 server is moto's standalone server (`moto_server`, pip `moto[server]`), started by the
+The S3 server is moto's standalone server (`moto_server`, pip `moto[server]`, tests/s3_server.py), started by the
 `s3` fixture on a free loopback port with IAM authentication on, so wrong credentials are refused
 as AWS refuses them; every read is real HTTP through s3fs.
 """
 import bz2
 import gzip
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
+from s3_server import BUCKET, _fresh_s3fs, s3  # noqa: F401  (s3: the fixture)
 
-boto3 = pytest.importorskip("boto3")
-pytest.importorskip("s3fs")
-if shutil.which("moto_server", path=os.path.dirname(sys.executable)) is None:
-    pytest.skip("moto_server (pip install 'moto[server]') is not installed", allow_module_level=True)
-
-from deeprec.data import CriteoReader, ParquetReader, open_reader, write_parquet  # noqa: E402
-from deeprec.data.reader import resolve_paths  # noqa: E402
-from deeprec.errors import ConfigError, DataError, EmptyShardError  # noqa: E402
-
-BUCKET = "deeprec-test"
-ENV = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_PROFILE",
-       "AWS_SESSION_TOKEN", "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _fresh_s3fs():
-    import s3fs
-
-    s3fs.S3FileSystem.clear_instance_cache()  # the next URL builds a client from the environment now
-
-
-class S3:
-    def __init__(self, url, key, secret, client):
-        self.url, self.key, self.secret, self.client = url, key, secret, client
-
-    def put(self, key: str, body: bytes) -> str:
-        self.client.put_object(Bucket=BUCKET, Key=key, Body=body)
-        return f"s3://{BUCKET}/{key}"
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    """A moto S3 server on 127.0.0.1:<free port>, IAM on: the first 3 calls (unauthenticated) make a
-    user, its policy and its access key; the environment then holds that key, as a job's would."""
-    port = _free_port()
-    home = tmp_path_factory.mktemp("moto")
-    server = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H", "127.0.0.1",
-                               "-p", str(port)], env=dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT="3"),
-                              cwd=home, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    saved = {k: os.environ.get(k) for k in ENV}
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), 0.2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise RuntimeError("moto_server did not start")
-                time.sleep(0.1)
-        url = f"http://127.0.0.1:{port}"
-        iam = boto3.client("iam", endpoint_url=url, region_name="us-east-1", aws_access_key_id="setup",
-                           aws_secret_access_key="setup")
-        iam.create_user(UserName="trainer")
-        iam.put_user_policy(UserName="trainer", PolicyName="all", PolicyDocument='{"Version": "2012-10-17", '
-                            '"Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}')
-        key = iam.create_access_key(UserName="trainer")["AccessKey"]
-        client = boto3.client("s3", endpoint_url=url, region_name="us-east-1", aws_access_key_id=key["AccessKeyId"],
-                              aws_secret_access_key=key["SecretAccessKey"])
-        client.create_bucket(Bucket=BUCKET)
-        for k in ENV:
-            os.environ.pop(k, None)
-        os.environ.update(AWS_ENDPOINT_URL=url, AWS_ACCESS_KEY_ID=key["AccessKeyId"],
-                          AWS_SECRET_ACCESS_KEY=key["SecretAccessKey"], AWS_DEFAULT_REGION="us-east-1",
-                          AWS_SHARED_CREDENTIALS_FILE=str(home / "none"), AWS_CONFIG_FILE=str(home / "none"))
-        _fresh_s3fs()
-        yield S3(url, key["AccessKeyId"], key["SecretAccessKey"], client)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        _fresh_s3fs()
-        server.terminate()
-        server.wait(10)
+from deeprec.data import CriteoReader, ParquetReader, open_reader, write_parquet
+from deeprec.data.reader import resolve_paths
+from deeprec.errors import ConfigError, DataError, EmptyShardError
 
 
 @pytest.fixture(scope="module")
@@ -331,8 +251,7 @@ def test_train_and_evaluate_from_s3_and_a_missing_eval_object_named_by_its_flag(
     assert code == 0, capsys.readouterr().err
     code = main(["train", "--data", remote_days[0], "--eval-data", f"s3://{BUCKET}/days/gone.tsv", "--steps", "3",
                  "--batch-size", "64", "--checkpoint-dir", str(tmp_path / "ckpt2"), "--no-progress"])
-    err = " ".join(capsys.readouterr().err.split())
-    assert code == 2 and f"--eval-data: no such file or object: 's3://{BUCKET}/days/gone.tsv'" in err
+    assert code == 2 and line_with(capsys.readouterr().err, f"--eval-data: no such file or object: 's3://{BUCKET}/days/gone.tsv'")
 
 
 def test_file_urls_and_their_globs_read_as_paths(days, tmp_path):

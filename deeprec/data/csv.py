@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
-from deeprec.data import fs
+from deeprec.data import fs, ranged
 from deeprec.data.reader import BatchReader, resolve_paths
 from deeprec.data.schema import Schema, check_values, parse_numbers
 from deeprec.errors import DataError
@@ -63,13 +63,18 @@ def summarize_names(names) -> str:
     return ", ".join(out)
 
 
-def detect_layout(path: str, schema: Schema) -> FileLayout:
-    """The delimiter and whether the first line is a header, checked against the schema."""
-    first = fs.first_line(path)
+BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark, as Excel and many Windows exports begin a file
+
+
+def detect_layout(path: str, schema: Schema, version=None) -> FileLayout:
+    """The delimiter and whether the first line is a header, checked against the schema (a UTF-8 BOM
+    before the first line is not part of it). `version`: the file's version first seen."""
+    first = fs.first_line(path, version)
     if first.startswith(b"\x1f\x8b") and fs.compression(path) is None:
         raise DataError("gzip-compressed data in a file whose name does not end .gz: name it *.gz to read it "
                         "as a compressed stream (or decompress it: gunzip -k FILE)", path)
-    text = first.decode("utf-8", errors="replace").rstrip("\r\n")
+    bom = len(BOM) if first.startswith(BOM) else 0
+    text = first[bom:].decode("utf-8", errors="replace").rstrip("\r\n")
     delimiter = schema.delimiter if schema.delimiter != "auto" else ("\t" if "\t" in text else ",")
     fields = [f.strip().strip('"') for f in text.split(delimiter)]
     header = schema.header
@@ -80,7 +85,7 @@ def detect_layout(path: str, schema: Schema) -> FileLayout:
         if len(fields) != len(expected):
             raise DataError(f"expected {len(expected)} fields ({summarize_names(expected)}) in a "
                             f"headerless {schema.name} file, found {len(fields)}", path, 1)
-        return FileLayout(delimiter, expected, 0)
+        return FileLayout(delimiter, expected, bom)
     missing = [n for n in schema.names if n not in fields]
     if missing:
         raise DataError(f"header lacks column(s) {', '.join(missing)}; the {schema.name} schema declares "
@@ -88,10 +93,10 @@ def detect_layout(path: str, schema: Schema) -> FileLayout:
     return FileLayout(delimiter, tuple(fields), len(first))
 
 
-def count_lines_before(path: str, offset: int) -> int:
+def count_lines_before(path: str, offset: int, version=None) -> int:
     """Number of newlines in the first `offset` bytes (for error locations)."""
     count = 0
-    with fs.open_stream(path) as f:  # compressed files: offsets are in the decompressed content
+    with fs.open_stream(path, version) as f:  # compressed files: offsets are in the decompressed content
         while offset > 0:
             block = f.read(min(offset, 16 << 20))
             if not block:
@@ -101,10 +106,11 @@ def count_lines_before(path: str, offset: int) -> int:
     return count
 
 
-def iter_stream_chunks(path: str, data_start: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, bytes]]:
+def iter_stream_chunks(path: str, data_start: int, chunk_bytes: int = CHUNK_BYTES,
+                       version=None) -> Iterator[tuple[int, bytes]]:
     """(offset, bytes) chunks of whole lines of the (decompressed) content past `data_start`."""
     pos, carry = 0, b""
-    for block in fs.iter_blocks(path, chunk_bytes):
+    for block in fs.iter_blocks(path, chunk_bytes, first=version):
         if pos + len(carry) + len(block) <= data_start:  # the header
             pos += len(block)
             continue
@@ -122,7 +128,7 @@ def iter_stream_chunks(path: str, data_start: int, chunk_bytes: int = CHUNK_BYTE
 
 
 def _iter_remote_line_chunks(path: str, start: int, end: int, data_start: int,
-                             chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
+                             chunk_bytes: int, version=None) -> Iterator[tuple[int, bytes]]:
     """iter_line_chunks over ranged reads fetched ahead in a thread (deeprec.data.fs.iter_range_blocks)."""
     pos = max(start, data_start)
     if pos >= end:
@@ -130,7 +136,7 @@ def _iter_remote_line_chunks(path: str, start: int, end: int, data_start: int,
     aligned = pos == data_start  # else the first line beginning at or after `start` is found first
     first = pos if aligned else pos - 1
     carry, pos = b"", first
-    for offset, block in fs.iter_range_blocks(path, first, end, max(chunk_bytes, 64 << 10)):
+    for offset, block in fs.iter_range_blocks(path, first, end, max(chunk_bytes, 64 << 10), first=version):
         buf = carry + block if carry else block
         if not aligned:
             newline = buf.find(b"\n")
@@ -158,12 +164,13 @@ def _iter_remote_line_chunks(path: str, start: int, end: int, data_start: int,
 
 
 def iter_line_chunks(path: str, start: int, end: int, data_start: int,
-                     chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, bytes]]:
-    """(offset, bytes) chunks holding exactly the lines that begin in [start, end)."""
+                     chunk_bytes: int = CHUNK_BYTES, version=None) -> Iterator[tuple[int, bytes]]:
+    """(offset, bytes) chunks holding exactly the lines that begin in [start, end), of the file's
+    `version` when given (deeprec.data.ranged: another version is a ChangedError)."""
     if fs.is_url(path):
-        yield from _iter_remote_line_chunks(path, start, end, data_start, chunk_bytes)
+        yield from _iter_remote_line_chunks(path, start, end, data_start, chunk_bytes, version)
         return
-    with open(path, "rb") as f:
+    with fs.open_ranged(path, first=version) as f:
         pos = max(start, data_start)
         if pos > data_start:  # move to the first line that begins at or after `start`
             f.seek(pos - 1)
@@ -197,8 +204,9 @@ class CsvReader(BatchReader):
         super().__init__(resolve_paths(paths), batch_size, schema, **kwargs)
         self.schema = schema
         self.chunk_bytes = chunk_bytes
-        self._layouts = {p: detect_layout(p, schema) for p in self.paths}
-        self._sizes = {p: fs.size(p) for p in self.paths if fs.compression(p) is None}
+        self._versions = ranged.versions(self.paths)  # each file read as the version seen now
+        self._layouts = {p: detect_layout(p, schema, self._versions[p]) for p in self.paths}
+        self._sizes = {p: self._versions[p].size for p in self.paths if fs.compression(p) is None}
         self.check_nonempty()
 
     def _all_units(self) -> list:
@@ -224,7 +232,7 @@ class CsvReader(BatchReader):
         data_start = self._layouts[path].data_start
         pos = max(start, data_start)
         if pos > data_start and pos < end:
-            with fs.open_ranged(path, block=64 << 10) as f:
+            with fs.open_ranged(path, block=64 << 10, first=self._versions[path]) as f:
                 f.seek(pos - 1)
                 pos = pos - 1 + len(f.readline())
         return pos < end
@@ -237,7 +245,7 @@ class CsvReader(BatchReader):
             if fs.compression(path):
                 continue
             start = self._layouts[path].data_start
-            with fs.open_ranged(path, block=64 << 10) as f:
+            with fs.open_ranged(path, block=64 << 10, first=self._versions[path]) as f:
                 f.seek(start)
                 first = len(f.readline())
             if first:
@@ -260,11 +268,12 @@ class CsvReader(BatchReader):
     def _read_unit(self, unit) -> Iterator[pa.Table]:
         path, start, end = unit
         layout = self._layouts[path]
+        version = self._versions[path]
         if end is None:
-            for offset, chunk in iter_stream_chunks(path, layout.data_start, self.chunk_bytes):
+            for offset, chunk in iter_stream_chunks(path, layout.data_start, self.chunk_bytes, version):
                 yield self._parse_chunk(path, layout, offset, chunk)
             return
-        for offset, chunk in iter_line_chunks(path, start, end, layout.data_start, self.chunk_bytes):
+        for offset, chunk in iter_line_chunks(path, start, end, layout.data_start, self.chunk_bytes, version):
             yield self._parse_chunk(path, layout, offset, chunk)
 
     # -- parsing ---------------------------------------------------------------
@@ -288,7 +297,7 @@ class CsvReader(BatchReader):
                                                      strings_can_be_null=False, quoted_strings_can_be_null=False),
             )
 
-        locator = _Locator(path, layout, offset, chunk)
+        locator = _Locator(path, layout, offset, chunk, self._versions.get(path))
         try:
             table = read(schema.arrow_types(strict=True))
             bad, valid = [], None
@@ -342,12 +351,12 @@ class _Locator:
     Records are split as pyarrow splits them (csv module, same delimiter and quoting),
     so a quoted field holding the delimiter or a newline does not shift the count."""
 
-    def __init__(self, path, layout, offset, chunk):
-        self.path, self.layout, self.offset, self.chunk = path, layout, offset, chunk
+    def __init__(self, path, layout, offset, chunk, version=None):
+        self.path, self.layout, self.offset, self.chunk, self.version = path, layout, offset, chunk, version
         self._rows = None
 
     def first_line(self) -> int:
-        return count_lines_before(self.path, self.offset) + 1
+        return count_lines_before(self.path, self.offset, self.version) + 1
 
     def _classify(self):
         if self._rows is None:

@@ -1,7 +1,8 @@
 """Where data lives: local paths, fsspec URLs (s3://, gs://, hdfs://, file://, ...) and compressed files.
 
     expand(pattern)       a path, folder, glob or URL -> the files it names (URLs stay URLs)
-    open_ranged(path)     seekable binary file; remote: ranged GETs of BLOCK_BYTES with read-ahead
+    open_ranged(path)     seekable binary file; remote: ranged GETs of BLOCK_BYTES with read-ahead, all of
+                          one version (deeprec.data.ranged: If-Match on S3; a change is "changed while being read")
     open_stream(path)     sequential bytes, decompressed when the name ends .gz / .zst / .bz2
     size(path), first_line(path), open_parquet(path)
 
@@ -18,7 +19,6 @@ import os
 import queue
 import re
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 from deeprec.errors import ConfigError, DataError, without_password
@@ -101,10 +101,13 @@ def describe(err: BaseException) -> str:
     return f"cannot read ({name}: {redact(err)})"
 
 
-def remote_error(err: BaseException, path: str, option: str | None = None, cls=DataError):
+def remote_error(err: BaseException, path: str, option: str | None = None, cls=None):
+    """A StoreError (a DataError) naming the file and what went wrong; `cls`: another class, given one line."""
+    from deeprec.data.ranged import StoreError
+
     named = f"{option}: " if option else ""
-    if cls is DataError:
-        return DataError(named + describe(err), redact(path))
+    if cls is None:
+        return StoreError(named + describe(err), redact(path), missing=isinstance(err, FileNotFoundError))
     return cls(f"{named}{redact(path)}: {describe(err)}")
 
 
@@ -154,108 +157,19 @@ def size(path: str) -> int:
 
 
 # -- reading -------------------------------------------------------------------
-_pools: dict[int, ThreadPoolExecutor] = {}
+def open_ranged(path: str, *, stop: int | None = None, block: int = BLOCK_BYTES, first=None):
+    """A seekable binary file of the raw bytes (no decompression), of the version `first` when given
+    (a `deeprec.data.ranged.Version`: a change is a ChangedError)."""
+    from deeprec.data.ranged import RangeFile, open_local
 
-
-def _pool() -> ThreadPoolExecutor:
-    """One fetch pool per process (a forked DataLoader worker makes its own)."""
-    pid = os.getpid()
-    if pid not in _pools:
-        _pools[pid] = ThreadPoolExecutor(max_workers=8, thread_name_prefix="deeprec-fetch")
-    return _pools[pid]
-
-
-class RangeFile(io.RawIOBase):
-    """A read-only seekable view of a remote object made of ranged reads of `block` bytes; reading
-    block i fetches blocks i+1..i+ahead in the background (up to `stop`), so the next GETs overlap
-    the parsing of this one. Only the current and previous blocks are kept."""
-
-    def __init__(self, url: str, *, block: int = BLOCK_BYTES, ahead: int = READ_AHEAD, stop: int | None = None):
-        self.url = url
-        self._fs, self._path = filesystem(url)
-        self._size = size(url)
-        self._block, self._ahead = block, ahead
-        self._stop = self._size if stop is None else min(self._size, stop + block)
-        self._blocks: dict = {}
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self._pos = pos if whence == 0 else self._pos + pos if whence == 1 else self._size + pos
-        return self._pos
-
-    def _fetch(self, i: int) -> bytes:
-        start = i * self._block
-        return self._fs.cat_file(self._path, start=start, end=min(self._size, start + self._block))
-
-    def _get(self, i: int) -> bytes:
-        for j in range(i, i + self._ahead + 1):
-            if j not in self._blocks and (j == i or j * self._block < self._stop):
-                self._blocks[j] = _pool().submit(self._fetch, j)
-        for j in [j for j in self._blocks if j < i - 1]:
-            self._blocks.pop(j).cancel()
-        try:
-            return self._blocks[i].result()
-        except Exception as err:
-            self._blocks.pop(i, None)
-            raise remote_error(err, self.url) from None
-
-    def read(self, n: int = -1) -> bytes:
-        n = self._size - self._pos if n is None or n < 0 else min(n, self._size - self._pos)
-        parts = []
-        while n > 0:
-            i, off = divmod(self._pos, self._block)
-            piece = memoryview(self._get(i))[off:off + n]
-            if not piece:
-                break
-            parts.append(piece)
-            self._pos += len(piece)
-            n -= len(piece)
-        return b"".join(parts)
-
-    def readinto(self, buffer) -> int:
-        data = self.read(len(buffer))
-        buffer[:len(data)] = data
-        return len(data)
-
-    def readline(self, limit: int = -1) -> bytes:
-        parts = []
-        while self._pos < self._size:
-            i, off = divmod(self._pos, self._block)
-            block = self._get(i)
-            newline = block.find(b"\n", off)
-            piece = block[off:] if newline == -1 else block[off:newline + 1]
-            parts.append(piece)
-            self._pos += len(piece)
-            if newline != -1:
-                break
-        return b"".join(parts)
-
-    def close(self) -> None:
-        for future in self._blocks.values():
-            future.cancel()
-        self._blocks.clear()
-        super().close()
-
-
-def open_ranged(path: str, *, stop: int | None = None, block: int = BLOCK_BYTES):
-    """A seekable binary file of the raw bytes (no decompression)."""
     if not is_url(path):
-        return open(path, "rb")
-    return RangeFile(path, stop=stop, block=block)
+        return open_local(path, first)
+    return RangeFile(path, stop=stop, block=block, first=first)
 
 
-def open_raw_stream(path: str):
+def open_raw_stream(path: str, first=None):
     """Sequential raw bytes: local `open`, or a RangeFile reading ahead."""
-    return open_ranged(path)
+    return open_ranged(path, first=first)
 
 
 class _Decompressed(io.RawIOBase):
@@ -263,16 +177,25 @@ class _Decompressed(io.RawIOBase):
     when `isal` is installed, else pyarrow's; zstd and bz2: pyarrow's), errors as DataErrors naming
     the file."""
 
-    def __init__(self, path: str, codec: str):
+    def __init__(self, path: str, codec: str, first=None):
         import pyarrow as pa
+
+        from deeprec.data.ranged import check_local
 
         self.path = path
         igzip = _igzip() if codec == "gzip" else None
         if igzip is not None:  # ISA-L: gzip decompressed ~2.5x faster than zlib (pip install 'deeprec[gzip]')
-            self._raw = open_raw_stream(path)
+            self._raw = open_raw_stream(path, first)
             self._stream, self._all = igzip.IGzipFile(fileobj=self._raw, mode="rb"), -1
             return
-        self._raw = open_raw_stream(path) if is_url(path) else pa.OSFile(path)  # OSFile: no Python per read
+        if is_url(path):
+            self._raw = open_raw_stream(path, first)
+        else:  # OSFile: no Python per read
+            try:
+                self._raw = pa.OSFile(path)
+            except OSError as err:
+                raise remote_error(err, path) from None
+            check_local(path, first, os.stat(path))
         self._stream, self._all = pa.CompressedInputStream(self._raw, codec), None
 
     def readable(self) -> bool:
@@ -307,48 +230,47 @@ def _igzip():
     return igzip
 
 
-def open_stream(path: str):
+def open_stream(path: str, first=None):
     """Sequential bytes of the file's content: decompressed when its name says it is compressed."""
     codec = compression(path)
     if codec is None:
-        return open_raw_stream(path)
-    return io.BufferedReader(_Decompressed(path, codec), buffer_size=1 << 16)
+        return open_raw_stream(path, first)
+    return io.BufferedReader(_Decompressed(path, codec, first), buffer_size=1 << 16)
 
 
-def first_line(path: str) -> bytes:
+def first_line(path: str, first=None) -> bytes:
     """The first line of the (decompressed) content, newline included."""
-    if not is_url(path) and compression(path) is None:
-        with open(path, "rb") as f:
-            return f.readline()
     if compression(path) is None:
-        with RangeFile(path, block=64 << 10, ahead=0) as f:
+        with open_ranged(path, block=64 << 10, first=first) as f:
             return f.readline()
-    with open_stream(path) as f:
+    with open_stream(path, first) as f:
         return f.readline()
 
 
-def iter_blocks(path: str, block: int = BLOCK_BYTES, ahead: int = READ_AHEAD) -> Iterator[bytes]:
+def iter_blocks(path: str, block: int = BLOCK_BYTES, ahead: int = READ_AHEAD, first=None) -> Iterator[bytes]:
     """The (decompressed) content in blocks of about `block` bytes, read `ahead` blocks ahead in a thread
     (decompression in pyarrow and remote reads release the GIL, so they overlap the parsing)."""
     def produce():
         codec = compression(path)
-        with (_Decompressed(path, codec) if codec else open_raw_stream(path)) as f:  # no buffer: no copy
+        with (_Decompressed(path, codec, first) if codec else open_raw_stream(path, first)) as f:  # no copy
             while True:
                 data = f.read(block)
                 if not data:
                     return
                 yield data
 
-    return _prefetched(produce(), ahead)
+    return _prefetched(produce(), ahead, path)
 
 
 def iter_range_blocks(url: str, start: int, end: int, block: int = BLOCK_BYTES,
-                      ahead: int = READ_AHEAD) -> Iterator[tuple[int, bytes]]:
+                      ahead: int = READ_AHEAD, first=None) -> Iterator[tuple[int, bytes]]:
     """(offset, bytes) consecutive blocks of a remote object from `start` until one holds a newline at
     or after byte end-1 (the end of the last line beginning before `end`), read ahead in a thread: ranged
     GETs, their copies and joins all happen off the parsing thread."""
+    from deeprec.data.ranged import RangeFile
+
     def produce():
-        with RangeFile(url, block=block, ahead=ahead, stop=end) as f:
+        with RangeFile(url, block=block, ahead=ahead, stop=end, first=first) as f:
             f.seek(start)
             pos = start
             while True:
@@ -360,10 +282,13 @@ def iter_range_blocks(url: str, start: int, end: int, block: int = BLOCK_BYTES,
                     return
                 pos += len(data)
 
-    return _prefetched(produce(), ahead)
+    return _prefetched(produce(), ahead, url)
 
 
-def _prefetched(items: Iterator, depth: int) -> Iterator:
+def _prefetched(items: Iterator, depth: int, path: str = "?") -> Iterator:
+    """`items` produced `depth` ahead in a thread ("deeprec-read-ahead"). Whatever ends the thread reaches
+    the consumer as one line naming `path`: deeprec's own errors as they are, any other as a StoreError
+    (`cannot read (OSError: ...)`); a thread that died without a word is said too, never waited for."""
     if depth <= 0:
         yield from items
         return
@@ -392,30 +317,50 @@ def _prefetched(items: Iterator, depth: int) -> Iterator:
         finally:  # the source's files closed here, by the thread that iterated it
             close = getattr(items, "close", None)
             if close is not None:
-                close()
+                try:
+                    close()
+                except Exception:  # closing after an error: the error is what is said
+                    pass
 
     thread = threading.Thread(target=run, name="deeprec-read-ahead", daemon=True)
     thread.start()
     try:
         while True:
-            item, err = q.get()
+            try:
+                item, err = q.get(timeout=1.0)
+            except queue.Empty:
+                if thread.is_alive() or not q.empty():
+                    continue
+                raise _read_error(RuntimeError("the read-ahead thread ended without handing on its data"),
+                                  path) from None
             if item is done:
                 if err is not None:
-                    raise err
+                    raise _read_error(err, path) from None
                 return
             yield item
     finally:
         stop.set()
 
 
-def open_parquet(path: str):
-    """A pyarrow ParquetFile; remote files through their fsspec filesystem (ranged reads)."""
+def _read_error(err: BaseException, path: str) -> BaseException:
+    """What the read-ahead thread's error says to the consumer: deeprec's errors (and interrupts) as
+    they are; any other error one StoreError line naming the file."""
+    from deeprec.data.ranged import StoreError
+    from deeprec.errors import DeepRecError
+
+    if isinstance(err, DeepRecError) or not isinstance(err, Exception):
+        return err
+    return StoreError(describe(err), redact(path), missing=isinstance(err, FileNotFoundError))
+
+
+def open_parquet(path: str, first=None):
+    """A pyarrow ParquetFile; remote files through their fsspec filesystem (ranged reads), of the
+    version `first` when given."""
     import pyarrow.parquet as pq
 
+    from deeprec.data.ranged import open_pinned
+
+    source = open_pinned(path, first)
     if not is_url(path):
-        return pq.ParquetFile(path)
-    fs, p = filesystem(path)
-    try:
-        return pq.ParquetFile(fs.open(p, "rb", block_size=BLOCK_BYTES, cache_type="readahead"), pre_buffer=True)
-    except (FileNotFoundError, PermissionError) as err:
-        raise remote_error(err, path) from None
+        return pq.ParquetFile(source)
+    return pq.ParquetFile(source, pre_buffer=True)

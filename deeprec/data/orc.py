@@ -14,25 +14,21 @@ from typing import Iterator
 import pyarrow as pa
 
 from deeprec.data.criteo import CRITEO_SCHEMA
-from deeprec.data.parquet import READ_ROWS, ParquetReader
-from deeprec.data.reader import BatchReader, resolve_paths
+from deeprec.data import ranged
+from deeprec.data.parquet import READ_ROWS, ParquetReader, _raise_if_changed
+from deeprec.data.reader import BatchReader, Place, resolve_paths
 from deeprec.data.schema import Schema
 from deeprec.errors import DataError
 
 
-def open_orc(path: str):
-    """A pyarrow ORCFile; a URL (s3://, hdfs://, file://, ...) through its fsspec filesystem."""
+def open_orc(path: str, version=None):
+    """A pyarrow ORCFile; a URL (s3://, hdfs://, file://, ...) through its fsspec filesystem; of the
+    file's `version` when given (another is a ChangedError)."""
     import pyarrow.orc as orc
 
-    from deeprec.data import fs
+    from deeprec.data.ranged import open_pinned
 
-    if not fs.is_url(path):
-        return orc.ORCFile(path)
-    filesystem, inner = fs.filesystem(path)
-    try:
-        return orc.ORCFile(filesystem.open(inner, "rb", block_size=fs.BLOCK_BYTES, cache_type="readahead"))
-    except (FileNotFoundError, PermissionError) as err:
-        raise fs.remote_error(err, path) from None
+    return orc.ORCFile(open_pinned(path, version))
 
 
 class OrcReader(ParquetReader):
@@ -43,12 +39,14 @@ class OrcReader(ParquetReader):
         self._stripes = {}  # path -> number of stripes
         self._rows = {}  # path -> number of rows
         self._partitions = {}
+        self._versions = ranged.versions(self.paths)  # each file read as the version seen now
         for path in self.paths:
             try:
-                handle = open_orc(path)
+                handle = open_orc(path, self._versions[path])
                 self._stripes[path], self._rows[path] = handle.nstripes, handle.nrows
                 names = set(handle.schema.names)
             except (pa.ArrowInvalid, OSError) as err:
+                _raise_if_changed(err, path, self._versions[path])
                 raise DataError(f"not a readable ORC file ({err})", path) from err
             self._partitions[path] = self._check_columns(path, names)
         self.check_nonempty()
@@ -69,15 +67,16 @@ class OrcReader(ParquetReader):
         return "ORC stripes"
 
     @staticmethod
-    def _where(stripe: int, row: int) -> str:
+    def _where(stripe: int, row: int) -> Place:
         """An ORC row's place: stripe, then 0-based row within it."""
-        return f"stripe {stripe}:row {row}"
+        return Place("stripe", stripe, row)
 
     def _read_unit(self, unit) -> Iterator[pa.Table]:
         path, stripe = unit
         try:
-            batch = open_orc(path).read_stripe(stripe, columns=self._file_columns(path))
+            batch = open_orc(path, self._versions[path]).read_stripe(stripe, columns=self._file_columns(path))
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as err:  # a corrupt stripe or file
+            _raise_if_changed(err, path, self._versions[path])
             self._report(path, [(lambda: self._where(stripe, 0), f"cannot decode stripe {stripe}: {err}", 1)])
             return
         table = self._with_partitions(path, pa.Table.from_batches([batch]))

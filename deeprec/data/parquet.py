@@ -15,9 +15,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from deeprec.data import fs
+from deeprec.data import fs, ranged
 from deeprec.data.criteo import CRITEO_SCHEMA
-from deeprec.data.reader import BatchReader, resolve_paths
+from deeprec.data.reader import BatchReader, Place, resolve_paths
 from deeprec.data.schema import Schema, check_values, parse_numbers
 from deeprec.data.tables import partition_values
 from deeprec.errors import DataError
@@ -33,11 +33,13 @@ class ParquetReader(BatchReader):
         super().__init__(resolve_paths(paths), batch_size, columns, **kwargs)  # self.columns: a Schema
         self._row_groups = {}
         self._partitions = {}  # path -> {column: value} the schema takes from its key=value folders
+        self._versions = ranged.versions(self.paths)  # each file read as the version seen now
         for path in self.paths:
             try:
-                handle = fs.open_parquet(path)
+                handle = fs.open_parquet(path, self._versions[path])
                 meta = handle.metadata
             except (pa.ArrowInvalid, OSError) as err:
+                _raise_if_changed(err, path, self._versions[path])
                 raise DataError(f"not a readable Parquet file ({err})", path) from err
             names = set(handle.schema_arrow.names)  # top-level names (a list column's leaf is "element")
             self._partitions[path] = self._check_columns(path, names)
@@ -64,7 +66,7 @@ class ParquetReader(BatchReader):
         group_rows = int(self._row_groups[path][group + 1] - self._row_groups[path][group])
         done = 0
         try:
-            reader = fs.open_parquet(path)
+            reader = fs.open_parquet(path, self._versions[path])
             batches = reader.iter_batches(batch_size=READ_ROWS, row_groups=[group],
                                           columns=self._file_columns(path), use_threads=False)
             for batch in batches:
@@ -72,6 +74,7 @@ class ParquetReader(BatchReader):
                 done += batch.num_rows
                 yield self._conform(path, group, done - batch.num_rows, table)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as err:  # a corrupt page or file
+            _raise_if_changed(err, path, self._versions[path])
             lost = group_rows - done  # the rest of the row group cannot be decoded: each row is bad
             self._report(path, [(lambda: self._where(group, done), f"cannot decode the rest of row group {group} "
                                  f"({lost} rows): {err}", lost)])
@@ -97,8 +100,8 @@ class ParquetReader(BatchReader):
         return table
 
     @staticmethod
-    def _where(group: int, row: int) -> str:
-        return _where(group, row)
+    def _where(group: int, row: int) -> Place:
+        return Place("row group", group, row)
 
     def _conform(self, path: str, group: int, first_row: int, table: pa.Table) -> pa.Table:
         """The schema's types; a value that does not fit is a bad row (file:row group:row)."""
@@ -137,9 +140,10 @@ class ParquetReader(BatchReader):
         return table
 
 
-def _where(group: int, row: int) -> str:
-    """A Parquet row's place: row group, then 0-based row within it."""
-    return f"row group {group}:row {row}"
+def _raise_if_changed(err: BaseException, path: str, version) -> None:
+    """The store's "not the version opened" (S3's If-Match refused) as a ChangedError, not a corrupt file."""
+    if ranged.is_expired(err):
+        raise ranged.changed(path, version) from None
 
 
 def _arrow(value) -> pa.Array:

@@ -50,7 +50,7 @@ PRESETS = {"criteo": CRITEO_SCHEMA, "avazu": AVAZU_SCHEMA, "movielens": MOVIELEN
 def _first_line(path: str) -> str:
     from deeprec.data import fs  # a URL or a compressed file too
 
-    return fs.first_line(path).decode("utf-8", errors="replace").rstrip("\r\n")
+    return fs.first_line(path).decode("utf-8", errors="replace").rstrip("\r\n").removeprefix("\ufeff")  # a BOM
 
 
 def detect_preset(path: str) -> str:

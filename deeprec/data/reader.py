@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -25,6 +25,18 @@ log = logging.getLogger("deeprec.data")
 
 BAD_ROW_POLICIES = ("raise", "skip")
 MAX_LOGGED_BAD_ROWS = 5
+
+
+class Place(NamedTuple):
+    """A row's place in a file of units (Parquet's row groups, ORC's stripes): `row group 3:row 7`.
+    Places sort by (unit, row) as numbers, so the first bad row of a chunk is the one named."""
+
+    unit_word: str
+    unit: int
+    row: int
+
+    def __str__(self) -> str:
+        return f"{self.unit_word} {self.unit}:row {self.row}"
 
 
 @dataclass
@@ -75,6 +87,11 @@ class BatchReader(torch.utils.data.IterableDataset):
         self.on_bad_row = on_bad_row
         self.drop_remainder = drop_remainder
         self.stats = ReaderStats()
+        # None: an error in a file ends the iteration. A dict (--follow sets one): a DataError from a file's
+        # content quarantines the file instead, `quarantined[path] = the error`, the rest of it unread,
+        # and `on_quarantine(path, error)` is told; the other files are read on.
+        self.quarantined: dict[str, str] | None = None
+        self.on_quarantine: Callable[[str, DataError], None] | None = None
         self._epoch = 0
         self._batches_in_epoch = 0
         self._unit_pos: tuple[int, int] | None = (0, 0)  # without shuffle: (unit of this epoch, its rows done)
@@ -242,13 +259,25 @@ class BatchReader(torch.utils.data.IterableDataset):
             starts.append((index, total))
             drop = done if index == first else 0
             total += drop
-            for table in self._read_unit(units[index]):
-                if drop:
-                    cut = min(drop, table.num_rows)
-                    table, drop = table.slice(cut), drop - cut
-                if table.num_rows:
-                    total += table.num_rows
-                    yield _counted(table, seen)
+            path = units[index][0]
+            if self.quarantined is not None and path in self.quarantined:
+                continue  # its rows after the error are not read
+            try:
+                for table in self._read_unit(units[index]):
+                    if drop:
+                        cut = min(drop, table.num_rows)
+                        table, drop = table.slice(cut), drop - cut
+                    if table.num_rows:
+                        total += table.num_rows
+                        yield _counted(table, seen)
+            except DataError as err:
+                from deeprec.data.ranged import StoreError
+
+                if self.quarantined is None or isinstance(err, StoreError) and not err.missing:
+                    raise  # the store itself failing (network, credentials) is no fault of the file
+                self.quarantined[path] = str(err)
+                if self.on_quarantine is not None:
+                    self.on_quarantine(path, err)
 
     def _no_batch_reason(self, rows: int, bad: int, has_units: bool) -> str:
         if rows and self.drop_remainder:

@@ -175,8 +175,26 @@ def parse_numbers(col, column: "Column"):
             shown = values[row].decode("utf-8", errors="backslashreplace")
             bad.append((int(row), f"column {column.name}: {shown!r} is not {kind}"))
     clean = pc.cast(pc.if_else(pc.and_(ok, pc.invert(empty)), col, pa.scalar(None, pa.binary())), pa.string())
-    typed = pc.cast(pc.utf8_trim_whitespace(clean), pa.int64() if integer else pa.float32())
-    return typed, ok, bad
+    clean = pc.utf8_trim_whitespace(clean)
+    if not integer:
+        return pc.cast(clean, pa.float32()), ok, bad
+    clean = pc.replace_substring_regex(clean, r"^\+", "")  # +7 is 7, as it is for a dense value
+    try:
+        return pc.cast(clean, pa.int64()), ok, bad
+    except pa.ArrowInvalid:  # an integer beyond int64: a bad value like any other, the rest kept
+        return _int64_in_range(clean, ok, bad, column)
+
+
+def _int64_in_range(clean, ok, bad: list, column: "Column"):
+    """`clean` (integers as text, null where missing or bad) as int64, values beyond int64 marked bad."""
+    lo, hi = np.iinfo(np.int64).min, np.iinfo(np.int64).max
+    values = [None if v is None else int(v) for v in clean.to_pylist()]
+    fits = [v is None or lo <= v <= hi for v in values]
+    for row, (value, fit) in enumerate(zip(values, fits)):
+        if not fit:
+            bad.append((row, f"column {column.name}: '{value}' is beyond the int64 range"))
+    typed = pa.array([v if fit else None for v, fit in zip(values, fits)], pa.int64())
+    return typed, pc.and_(ok, pa.array(fits)), sorted(bad)
 
 
 def check_values(schema: Schema, table: pa.Table, reasons: dict) -> object:
