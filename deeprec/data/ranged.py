@@ -124,7 +124,7 @@ def versions(paths: list[str]) -> dict:
 
 
 def changed(path: str, first: Version, now: Version | None = None) -> ChangedError:
-    how = f"it {first.change(now)}" if now is not None else "another version is there now"
+    how = f"it {first.change(now)}" if now is not None else "another version replaced it"
     return ChangedError(f"changed while being read: {how} after reading began (the version first seen: "
                         f"{first.words()}); nothing of the new version is read: land new data under a new name",
                         fs.redact(path))
