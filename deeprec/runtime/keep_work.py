@@ -7,7 +7,8 @@ step first; the error then ends the run with its one line, which says where the 
     not saved on  an error inside a step (its forward, backward or update may have changed part of
                   the state: a disk tier's StorageFullError, a parameter server or collective failure, a
                   bug in the model), a signal (`Interrupted`: saved already), a collective rank (its
-                  ranks save one step together: `Strategy.saves_on_failure`)
+                  ranks save one step together), a PS failure (the save needs the PSs):
+                  `Strategy.saves_after`
 
 The step and the reader position saved are the last completed step's, so `--resume` goes on with the
 failing batch. A save that fails too (the checkpoint's own disk is full) leaves no part of itself and
@@ -57,7 +58,7 @@ class KeepWork:
 
     def _keeps(self, err: Exception) -> bool:
         trainer = self.trainer
-        if not trainer.cfg.checkpoint.dir or not trainer.strategy.saves_on_failure or isinstance(err, Interrupted):
+        if not trainer.cfg.checkpoint.dir or isinstance(err, Interrupted) or not trainer.strategy.saves_after(err):
             return False
         return err is self.between or isinstance(err, OUTSIDE_A_STEP)
 

@@ -119,7 +119,10 @@ class Strategy(abc.ABC):
         return False
 
     # -- checkpoints -----------------------------------------------------------------
-    saves_on_failure = True  # an error that ends the run is saved first (deeprec.runtime.keep_work)
+    def saves_after(self, err: Exception) -> bool:
+        """Whether `err`, ending the run, lets this process save its last completed step first
+        (deeprec.runtime.keep_work): here always."""
+        return True
 
     def checkpoint_dir(self, base: str) -> str:
         return base

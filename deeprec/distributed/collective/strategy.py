@@ -19,7 +19,6 @@ from deeprec.runtime.strategy import OneProcessCheckpoint, Restored, Strategy
 
 class Collective(Strategy):
     name = "collective"
-    saves_on_failure = False  # the ranks save one step together: one rank's save alone is no resume point
 
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
@@ -93,6 +92,10 @@ class Collective(Strategy):
 
     def eval_shards(self) -> dict:
         return self.train_shards()
+
+    def saves_after(self, err: Exception) -> bool:
+        """Never: the ranks save one step together, and one rank's save alone is no resume point."""
+        return False
 
     def checkpoint_dir(self, base: str) -> str:
         from deeprec.distributed.collective.reshard import rank_dir

@@ -79,6 +79,12 @@ class ParameterServer(Strategy):
         return {**super().counters(model, updater), "ps/bytes_sent_per_step": client.bytes_sent / steps,
                 "ps/bytes_received_per_step": client.bytes_received / steps, "ps/calls_per_step": client.calls / steps}
 
+    def saves_after(self, err: Exception) -> bool:
+        """Unless the PSs failed: the save needs them (it would wait out --ps-deadline again)."""
+        from deeprec.distributed.ps.client import PSError
+
+        return not isinstance(err, PSError)
+
     def checkpoint_dir(self, base: str) -> str:
         import os
 
