@@ -7,7 +7,7 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from s3_server import BUCKET, s3  # noqa: F401  (s3: the fixture)
+from s3_server import s3  # noqa: F401  (the fixture)
 
 from deeprec.data import CsvReader, Column, ParquetReader, Schema, fs, ranged
 from deeprec.data.parquet import _raise_if_changed

@@ -208,7 +208,8 @@ class RangeFile(io.RawIOBase):
             opened = self._fs.open(self._path, "rb", block_size=block, cache_type="none")
         except Exception as err:
             raise fs.remote_error(err, url) from None
-        if type(opened).__module__.startswith("s3fs") and hasattr(opened, "_fetch_range"):
+        if type(opened).__module__.startswith("s3fs") and hasattr(opened, "_fetch_range") and \
+                "ETag" in (opened.details or {}):  # its GETs carry If-Match: <that ETag>
             self._file, now = opened, from_info(opened.details)
         else:
             opened.close()
