@@ -114,7 +114,8 @@ class TrainingConfig:
     """write TensorBoard event files here as the run trains (loss, samples/s, step and stage time, evaluations,
     PS / all-to-all traffic, tier hit rates): one run per process (rank-R, worker-I subfolders)"""
     log_every: int = option(100, ge=1)
-    """steps between the scalars written to --log-dir"""
+    """steps between the scalars written to --log-dir, and between the step lines printed where no progress bar
+    shows (--no-progress, or no terminal)"""
     flush_denormal: bool = option(True)
     """flush denormal floats (tiny embedding weights slow CPU math ~2x)"""
     malloc_tuning: bool = option(False)

@@ -280,7 +280,8 @@ class Trainer:
                 losses.append(out["loss"].item())
                 rate = rows / max(time.perf_counter() - started, 1e-9)
                 progress.update(task, completed=self.step, loss=losses[-1], rate=rate)
-                if progress.disable and (self.step % 100 == 0 or (start_step and self.step == start_step + 1)):
+                if progress.disable and (self.step % self.cfg.training.log_every == 0
+                                         or (start_step and self.step == start_step + 1)):
                     self.console.print(f"step {self.step} loss {losses[-1]:.4f} {rate:,.0f} samples/s")
                 if self.runlog is not None:
                     self._log_step(losses[-1], len(out["logits"]))

@@ -17,6 +17,7 @@ from deeprec.errors import ConfigError
 from deeprec.metrics import evaluate
 from deeprec.nn import shard_of
 from deeprec.optim import make_optimizer
+from output import line_with
 
 WORLD, BATCH, STEPS = 2, 16, 20
 FIXED_SIZES = {"a": 50, "b": 30, "c": 5}
@@ -253,8 +254,7 @@ def test_torchrun_trains_two_ranks_then_resumes_resharded_on_three(tmp_path, uni
     done = torchrun(2, "--data", unique_tsv, "--steps", "8", "--checkpoint-dir", str(ckpt), "--eval-data", unique_tsv)
     evals = [line for line in done.stdout.splitlines() if "eval rows" in line]
     assert len(evals) == 1 and "10,000" in evals[0]  # one summary, rank 0's: all rows, gathered
-    other = " ".join(done.stderr.split())  # rank 1's line carries its rank
-    assert "[rank 1] rank 1 finished" in other and "on 10,000 eval rows" in other
+    other = line_with(done.stderr, "[rank 1] rank 1 finished", "on 10,000 eval rows")  # it carries its rank
     auc = [line.split("│")[-2].strip() for line in done.stdout.splitlines() if "eval AUC" in line]
     auc.append(other.split("eval AUC ")[1].split()[0])
     assert f"{assert_one_process_evaluates(ckpt, unique_tsv)['auc']:.4f}" == auc[0] == auc[1]
@@ -309,7 +309,7 @@ def assert_one_process_evaluates(ckpt, data: str, env=None) -> dict:
     done = subprocess.run([sys.executable, "-m", "deeprec", "evaluate", "--checkpoint", str(ckpt), "--data", data],
                           capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "ranks' checkpoint-" in " ".join((done.stderr + done.stdout).split())  # the console wraps
+    assert line_with(done.stderr + done.stdout, "ranks' checkpoint-")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -325,12 +325,11 @@ def test_launch_collective_runs_ranks_without_a_ps(tmp_path):
     assert "[ps0]" not in out and "2/2 workers succeeded" in out
     rows = [line for line in out.splitlines() if "eval rows" in line and "│" in line]  # one summary: rank 0's
     assert len(rows) == 1 and "[launch] job: 2 workers, 6 steps" in out
-    worker1 = " ".join(" ".join(line.split("]", 1)[1] for line in out.splitlines() if line.startswith("[worker1]")).split())
-    assert f"on {rows[0].split('│')[-2].strip()} eval rows" in worker1  # both ranks: the whole eval file
+    assert line_with(out, "[worker1]", f"on {rows[0].split('│')[-2].strip()} eval rows")  # both: the whole file
     # the ranks' checkpoints, merged into one process's model (fixed tables back into one weight),
     # evaluate as the ranks did
     auc = [line.split("│")[-2].strip() for line in out.splitlines() if "eval AUC" in line and "│" in line]
-    auc.append(worker1.split("eval AUC ")[1].split()[0])
+    auc.append(line_with(out, "[worker1]", "eval AUC ").split("eval AUC ")[1].split()[0])
     evaluated = assert_one_process_evaluates(tmp_path / "ckpt", str(next(tmp_path.glob("*eval*.tsv"))), env)
     assert f"{evaluated['auc']:.4f}" == auc[0] == auc[1]
     refused = subprocess.run([sys.executable, "-m", "deeprec.cli", "launch", "--collective", "--ps", "1", "--",
@@ -385,8 +384,7 @@ def test_launch_collective_stops_every_rank_when_one_fails(tmp_path, unique_tsv)
     out = done.stdout
     assert done.returncode != 0 and "worker1 failed" in out and "0/2 workers succeeded" in out
     assert "stopping the other ranks" in out
-    flat = "".join(out.replace("[worker1]", "").split())  # the worker's console wraps long lines
-    assert "".join(f"{data}:3501: expected 40 fields, found 1".split()) in flat
+    assert line_with(out, "[worker1]", f"{data}:3501: expected 40 fields, found 1")
 
 
 def test_the_one_evaluation_loop_runs_uncounted_batches_without_counting_them():

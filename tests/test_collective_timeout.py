@@ -138,7 +138,9 @@ _RANK = textwrap.dedent("""
         join_process_group(Rendezvous("127.0.0.1", port, rank, 2), torch.device("cpu"), timeout_s=3)
     limit.start_heartbeat()
     group = dist.new_group(backend="gloo", timeout=deadline.timeout())  # as the embedding exchange's
-    time.sleep(1.5)  # a heartbeat or two
+    store, beats = limit._client(), [f"deeprec/heartbeat/{r}" for r in range(2)]
+    while not (store.check(beats) and all(int(store.get(k)) >= 1 for k in beats)):  # both ranks have beaten
+        time.sleep(0.05)
     try:
         for step in range(100000):
             if rank == 1 and step == 20:

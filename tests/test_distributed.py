@@ -19,6 +19,7 @@ from deeprec.runtime.strategy import LocalStrategy
 from deeprec.nn import EmbeddingVariable
 
 from conftest import running_ps, start_ps  # noqa: E402  - real PS processes on loopback (fixture ps_pool)
+from output import line_with
 
 
 def local_reference(steps, dim=4):
@@ -235,8 +236,7 @@ def test_worker_dying_mid_run_leaves_the_others_running(tmp_path, unique_tsv):
                        "--batch-size", "64", "--dense", "ps"], tmp_path)
     out = done.stdout
     assert done.returncode != 0 and "worker1 failed" in out and "1/2 workers succeeded" in out
-    flat = "".join(out.replace("[worker1]", "").split())  # the worker's console wraps long lines
-    assert "".join(f"{data}:3501: expected 40 fields, found 1".split()) in flat
+    assert line_with(out, "[worker1]", f"{data}:3501: expected 40 fields, found 1")
     assert "[worker0]" in out and "steps" in out
 
 

@@ -22,6 +22,7 @@ from deeprec.cli import sample_path
 from deeprec.data import Column, CsvReader, Schema, open_reader
 from deeprec.errors import CheckpointError, ConfigError, DataError, NonFiniteError
 from deeprec.trainer import TrainConfig, Trainer
+from output import line_with
 
 
 def _first_batch(reader, timeout: float = 60.0):
@@ -48,9 +49,8 @@ def test_din_on_the_short_sample_fails_at_once_naming_the_batch_size():
     proc = subprocess.run([sys.executable, "-m", "deeprec", "train", "--model", "din", "--data",
                            sample_path("movielens_sample.txt"), "--steps", "10", "--no-progress"],
                           capture_output=True, text=True, timeout=120)
-    err = " ".join(proc.stderr.split())  # rich wraps lines
-    assert proc.returncode == 1, err
-    assert "200 valid rows < batch size 512" in err and "lower --batch-size" in err
+    assert proc.returncode == 1, proc.stderr
+    assert line_with(proc.stderr, "200 valid rows < batch size 512", "lower --batch-size")
 
 
 @pytest.mark.parametrize("epochs", [None, 1])

@@ -15,6 +15,7 @@ from deeprec.data import Column, Schema, open_reader
 from deeprec.data.follow import FollowReader
 from deeprec.errors import ConfigError
 from deeprec.trainer import TrainConfig, Trainer
+from waits import wait_until
 
 SCHEMA = Schema((Column("label", "label"), Column("row", "categorical", dtype="int"), Column("x", "dense")),
                 delimiter=",", header=True)
@@ -142,13 +143,14 @@ def test_sigterm_ends_the_wait_with_a_checkpoint_and_resume_goes_on(tmp_path):
     write_synthetic(str(data / "h0.tsv"), 300, cardinalities="small", seed=0)
     train = [sys.executable, "-m", "deeprec.cli", "train", "--data", str(data), "--follow", "--follow-interval", "0.2",
              "--batch-size", "100", "--checkpoint-dir", str(tmp_path / "ck"), "--no-progress"]
-    proc = subprocess.Popen(train, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120
-    while not os.path.exists(tmp_path / "ck") and time.monotonic() < deadline:
-        time.sleep(0.5)
-    time.sleep(8)  # 3 steps done, then waiting for files
+    log = tmp_path / "train.log"
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(train + ["--log-every", "1"], stdout=sink, stderr=subprocess.STDOUT, text=True)
+    # 3 steps done (the file's 300 rows), then it waits for files
+    wait_until(lambda: "step 3 loss" in log.read_text() or proc.poll() is not None, 120, "step 3")
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=60)
+    proc.wait(60)
+    out = log.read_text()
     assert proc.returncode == 143, out[-3000:]
     assert "stopped by SIGTERM after step 3" in out
     write_synthetic(str(data / "h1.tsv"), 200, cardinalities="small", seed=1)

@@ -12,6 +12,7 @@ from deeprec.distributed.allreduce import rendezvous_from_env
 from deeprec.errors import ConfigError
 
 from conftest import running_ps  # noqa: E402
+from output import line_with
 
 SMALL = {"hash_buckets": 1000, "bottom_mlp": (32, 16), "top_mlp": (32,), "embedding": "variable"}
 STEPS, BATCH, LR = 6, 64, 0.05
@@ -164,6 +165,5 @@ def test_a_dead_worker_fails_the_others_all_reduce_with_a_clear_error(tmp_path, 
     done = run_launch(["--ps", "1", "--workers", "2", "--", "train", "--data", str(data), "--steps", "40",
                        "--batch-size", "64", "--dense", "allreduce"], tmp_path)
     assert done.returncode != 0 and "0/2 workers succeeded" in done.stdout
-    worker0 = " ".join(line[len("[worker0] "):] for line in done.stdout.splitlines() if line.startswith("[worker0]"))
-    assert "error:" in worker0 and "the all-reduce of the dense gradients failed: another worker is gone" in \
-        " ".join(worker0.split()), worker0[-2000:]
+    assert line_with(done.stdout, "[worker0] error:", "the all-reduce of the dense gradients failed: another worker "
+                     "is gone")

@@ -16,6 +16,7 @@ from deeprec.data import resolve_schema
 from deeprec.models.spec import load_model, resolve
 
 from test_serving import _json_rows
+from output import line_with
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "custom_model.py")
@@ -159,8 +160,7 @@ def test_sigterm_checkpoints_and_resume_continues_exactly(tmp_path, sample):
             break
     rest = proc.stderr.read()
     assert proc.wait(120) == 143, "".join(lines) + rest
-    stopped = " ".join(rest.split())
-    assert "stopped by SIGTERM after step" in stopped and "continue with --resume" in stopped
+    stopped = line_with(rest, "stopped by SIGTERM after step", "continue with --resume")
     step = int(stopped.split("after step ")[1].split(":")[0])
     assert step >= 100
     total = str(step + 15)
@@ -180,9 +180,10 @@ def test_an_empty_held_out_shard_fails_before_training(tmp_path, sample):
     assert done.returncode == 0, done.stderr
     done = deeprec("train", "--data", str(tmp_path / "s.parquet"), "--eval-fraction", "0.1", "--steps", "5",
                    cwd=tmp_path)
-    said = " ".join(done.stderr.split())
-    assert done.returncode == 2 and "--eval-fraction 0.1 holds out shard 10 of 10" in said
-    assert "at most 1 shard(s)" in said and "use --eval-data" in said and "step" not in said.split("error:")[0]
+    said = done.stderr
+    assert done.returncode == 2 and line_with(said, "--eval-fraction 0.1 holds out shard 10 of 10", "at most 1 shard(s)",
+                                              "use --eval-data")
+    assert "step" not in said.split("error:")[0]
 
 
 def _scores(model, batch):
@@ -288,8 +289,8 @@ def test_ctrl_c_at_the_terminal_stops_a_ps_job_with_a_checkpoint(tmp_path, sampl
     rest = proc.stdout.read()
     assert proc.wait(180) == 130, rest[-3000:]
     assert "job stopped on SIGINT" in rest and "continue it with --resume" in rest
-    assert "stopped by SIGINT after step" in " ".join(rest.split())
-    step = int(" ".join(rest.split()).split("[worker0] stopped by SIGINT after step ")[1].split(":")[0])
+    stopped = line_with(rest, "[worker0] stopped by SIGINT after step ")
+    step = int(stopped.split("[worker0] stopped by SIGINT after step ")[1].split(":")[0])
     resumed = deeprec("launch", "--ps", "1", "--workers", "2", "--resume", "--", *train, "--steps", str(step + 5),
                       cwd=tmp_path, timeout=600)
     assert resumed.returncode == 0 and f"at step {step}" in resumed.stdout, resumed.stdout[-3000:]

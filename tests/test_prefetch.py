@@ -13,6 +13,7 @@ from deeprec import ops
 from deeprec.data import CriteoReader
 from deeprec.models import build_model
 from deeprec.runtime import PrefetchRunner
+from waits import wait_until
 
 
 def drain(runner):
@@ -109,7 +110,7 @@ def test_num_clients_share_the_stream():
 def test_timeout_drops_results_loudly(caplog):
     runner = PrefetchRunner(range(6), lambda x: x, dr.SmartStageOptions(capacity=1, timeout_millis=30))
     try:
-        time.sleep(0.5)  # nobody takes: results beyond capacity time out
+        wait_until(lambda: runner.stats.dropped >= 1, 10, "a result timed out")  # nobody takes: it drops
         values = [item.values for item in drain(runner)]
     finally:
         runner.close()

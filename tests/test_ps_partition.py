@@ -61,6 +61,6 @@ def test_a_partition_past_the_deadline_fails_naming_the_ps(cluster, tmp_path):
     finally:
         host.restore()
     assert code != 0 and time.monotonic() - started < 4 + 30
-    flat = " ".join(worker.output().split())
+    out = worker.output()
     assert re.search(rf"PS 0 at {re.escape(ps.host.address)}:\d+: \w+ not answered for \d+ s \(--ps-deadline 4\)",
-                     flat), flat[-3000:]
+                     out), out[-3000:]

@@ -34,21 +34,22 @@ def _run(cluster, name: str, workers: int, args: list[str]) -> tuple[list, list]
 @pytest.mark.parametrize("workers,extra", [(1, []), (2, ["--sync"])], ids=["async-1-worker", "sync-2-workers"])
 def test_a_restarted_ps_rolls_the_job_back_to_its_last_checkpoint(cluster, tmp_path, workers, extra):
     data, ckpt = write_data(tmp_path), str(tmp_path / "ckpt")
-    common = ["--data", data, "--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--ps-deadline", "60", *extra]
+    common = ["--data", data, "--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--ps-deadline", "60",
+              "--log-every", "10", *extra]
     ps, procs = _run(cluster, "job", workers, [*common, "--checkpoint-dir", ckpt])
     _wait_file(os.path.join(ckpt, f"checkpoint-{EVERY:09d}.manifest.json"), 300)
-    time.sleep(2.0)  # some steps past the checkpoint
+    procs[0].wait_for(rf"step {EVERY + 20} loss", 300)  # some steps past the checkpoint
     ps[1].kill()
     again = start_ps(ps[1].host, 1, 2, name="job-ps1-again")
     for proc in procs:
         assert proc.wait(600) == 0, proc.output()[-4000:]
     line = re.search(r"PS 1 at ([\d.]+):\d+: restarted, its rows are gone .*?: rolled back to the checkpoint of step "
-                     r"(\d+) \((steps \d+-\d+|no step) redone", " ".join(procs[0].output().split()))
+                     r"(\d+) \((steps \d+-\d+|no step) redone", procs[0].output())
     assert line and line.group(1) == ps[1].host.address, procs[0].output()[-4000:]
     step = int(line.group(2))
     assert step % EVERY == 0 and step < STEPS
     for proc in procs[1:]:
-        assert f"rolled back to the checkpoint of step {step}" in " ".join(proc.output().split())
+        assert f"rolled back to the checkpoint of step {step}" in proc.output()
     got = final_state(ckpt)
     again.kill()
     ps[0].kill()
@@ -69,6 +70,6 @@ def test_a_restarted_ps_without_a_checkpoint_dir_is_a_clear_error(cluster, tmp_p
     ps.kill()
     start_ps(ps.host, 0, 1, name="ps-again")
     assert worker.wait(120) != 0
-    flat = " ".join(worker.output().split())
+    out = worker.output()
     assert re.search(rf"PS 0 at {re.escape(ps.host.address)}:\d+: restarted, its rows are gone .*there is no "
-                     r"checkpoint to roll back to: train with --checkpoint-dir", flat), flat[-3000:]
+                     r"checkpoint to roll back to: train with --checkpoint-dir", out), out[-3000:]

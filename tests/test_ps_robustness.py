@@ -15,6 +15,7 @@ from deeprec.distributed.ps.shard import SERVICE
 from deeprec.distributed.ps.wire import pack, unpack
 
 from conftest import running_ps  # noqa: E402
+from waits import wait_until
 
 
 def start(*extra):
@@ -41,6 +42,11 @@ def ps():
     for proc in started:
         proc.kill()
         proc.wait(10)
+
+
+def waiting_pulls(calls) -> int:
+    """Sync pulls the PS holds waiting for a step now (its Health)."""
+    return unpack(calls["Health"](pack({}), timeout=3))[0]["waiting_pulls"]
 
 
 def status(call, request, timeout=10):
@@ -127,7 +133,7 @@ def test_waiting_pulls_are_bounded_and_health_is_always_answered(ps):
     threads = [threading.Thread(target=wait) for _ in range(3)]  # 4 gRPC threads: at most 2 may wait
     for t in threads:
         t.start()
-    time.sleep(1.0)
+    wait_until(lambda: waiting_pulls(calls) == 2 and len(results) == 1, 8, "2 pulls waiting, 1 refused")
     started = time.monotonic()
     assert unpack(calls["Health"](pack({}), timeout=3))[0]["shard"] == 0
     assert time.monotonic() - started < 2
@@ -149,7 +155,7 @@ def test_a_pull_whose_step_is_applied_takes_no_waiting_place(ps):
     fast = threading.Thread(target=lambda: results.append(status(
         calls["Pull"], pack({"embeddings": [], "after_step": 2}), timeout=10)[1]))
     fast.start()
-    time.sleep(1.0)  # it waits, holding the waiting place
+    wait_until(lambda: waiting_pulls(calls) == 1, 8, "the fast worker's pull waiting")  # holding the waiting place
     started = time.monotonic()
     _, err = status(calls["Pull"], pack({"embeddings": [], "after_step": 1}), timeout=5)
     assert err is None, err.details()
@@ -253,14 +259,13 @@ def test_sigterm_to_launch_stops_and_reaps_every_process(tmp_path):
         assert line, "launch ended early"
         if "listening on" in line:
             seen.append(line)
-    time.sleep(3)
 
     def children(pid):
         out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
         return [int(p) for p in out.split()]
 
-    kids = children(launcher.pid)
-    assert len(kids) == 3, kids  # two PSs and one worker
+    kids = wait_until(lambda: k if len(k := children(launcher.pid)) == 3 else None, 30,
+                      "two PSs and one worker started")
     launcher.send_signal(signal.SIGTERM)
     assert launcher.wait(30) != 0
     for pid in kids:
@@ -293,7 +298,7 @@ def test_a_repeated_push_is_applied_once_and_a_stale_caller_is_refused(ps):
     results = []
     thread = threading.Thread(target=lambda: results.append(status(calls["Pull"], waiting, timeout=20)[1]))
     thread.start()
-    time.sleep(1.0)
+    wait_until(lambda: waiting_pulls(calls) == 1, 10, "the pull waiting for step 5")
     client.restore(client.snapshot(), step=0)
     thread.join(10)
     assert not thread.is_alive() and results[0].code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -4,6 +4,7 @@ import pytest
 from deeprec.cli import main
 from deeprec.data import CriteoReader, ParquetReader, open_reader, write_parquet
 from deeprec.errors import ConfigError, DataError, EmptyShardError
+from output import line_with
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +60,5 @@ def test_a_file_without_rows_is_still_left_to_iteration(tmp_path, sample):
 def test_train_with_too_fine_an_eval_fraction_stops_before_training(four_groups, tmp_path, capsys):
     code = main(["train", "--data", four_groups, "--eval-fraction", "0.1", "--steps", "5", "--batch-size", "8",
                  "--checkpoint-dir", str(tmp_path / "ckpt"), "--no-progress"])
-    err = " ".join(capsys.readouterr().err.split())  # rich wraps lines
-    assert code == 2 and "data.parquet" in err and "row group" in err
+    assert code == 2 and line_with(capsys.readouterr().err, "data.parquet", "row group")
     assert not (tmp_path / "ckpt").exists()  # nothing trained, nothing saved

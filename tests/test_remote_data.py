@@ -16,6 +16,7 @@ from s3_server import BUCKET, _fresh_s3fs, s3  # noqa: F401  (s3: the fixture)
 from deeprec.data import CriteoReader, ParquetReader, open_reader, write_parquet
 from deeprec.data.reader import resolve_paths
 from deeprec.errors import ConfigError, DataError, EmptyShardError
+from output import line_with
 
 
 @pytest.fixture(scope="module")
@@ -251,8 +252,8 @@ def test_train_and_evaluate_from_s3_and_a_missing_eval_object_named_by_its_flag(
     assert code == 0, capsys.readouterr().err
     code = main(["train", "--data", remote_days[0], "--eval-data", f"s3://{BUCKET}/days/gone.tsv", "--steps", "3",
                  "--batch-size", "64", "--checkpoint-dir", str(tmp_path / "ckpt2"), "--no-progress"])
-    err = " ".join(capsys.readouterr().err.split())
-    assert code == 2 and f"--eval-data: no such file or object: 's3://{BUCKET}/days/gone.tsv'" in err
+    assert code == 2 and line_with(capsys.readouterr().err,
+                                   f"--eval-data: no such file or object: 's3://{BUCKET}/days/gone.tsv'")
 
 
 def test_file_urls_and_their_globs_read_as_paths(days, tmp_path):

@@ -25,24 +25,14 @@ from pathlib import Path
 
 import pytest
 
+from waits import group_stopped, wait_until
+
 PY = sys.executable
 PS_PORT, SERVE_PORT = 7100, 8500
 ROWS = 5000  # synthetic rows (small cardinalities)
 DELTA_EVERY = 4
 WATCH_INTERVAL_S = 0.2
 CRITEO = ["label", *(f"I{i}" for i in range(1, 14)), *(f"C{i}" for i in range(1, 27))]
-
-
-def wait_until(condition, timeout: float, what: str, poll: float = 0.05):
-    """condition()'s first truthy value, waited for at most `timeout` s (AssertionError naming `what`)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {timeout:.0f}s")
-        time.sleep(poll)
 
 
 class Rig:
@@ -90,6 +80,12 @@ class Rig:
         with urllib.request.urlopen(self.url + "/metrics", timeout=5) as reply:
             text = reply.read().decode()
         return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(deeprec_\w+) (\S+)$", text, re.M)}
+
+    def looks(self, n: int) -> None:
+        """Waits until serving has looked at the export folder `n` more times (its watcher's counter)."""
+        start = self.metrics()["deeprec_model_update_checks_total"]
+        wait_until(lambda: self.metrics()["deeprec_model_update_checks_total"] >= start + n, 30 + n,
+                   f"{n} looks at the export folder")
 
     def deltas(self) -> list[int]:
         """Steps of the complete deltas (their manifest written) in the export dir."""
@@ -164,7 +160,7 @@ def stop_inside(proc, folder: Path, prefix: str, timeout: float, tries: int = 20
         name = wait_until(lambda: next((n for n in os.listdir(folder) if n.startswith(prefix)), None), timeout,
                           f"{prefix}* being written in {folder}", poll=0.001)
         proc.signal(signal.SIGSTOP)
-        time.sleep(0.05)
+        wait_until(lambda: group_stopped(proc.pid), 10, f"{proc.name} stopped", poll=0.005)
         if os.path.exists(folder / name):
             return name
         if once:
@@ -193,11 +189,13 @@ def test_serving_answers_through_a_cut_trainer_and_follows_it_after(cluster, tmp
         wait_until(lambda: rig.metrics().get("deeprec_model_updates_total", 0) >= 3, 60, "online updates")
         rig.trainer.cut()
         cut_at = time.monotonic()
-        time.sleep(1.0)  # a delta being written as the link went down is finished (the disk is local)
+        # a delta being written as the link went down is finished (the disk is local)
+        wait_until(lambda: not [n for n in os.listdir(rig.export_dir) if n.startswith(".delta-")], 10,
+                   "the delta in flight written")
         stalled = rig.deltas()[-1]
         wait_until(lambda: rig.metrics()["deeprec_model_step"] == stalled, 10, f"serving at delta {stalled}")
         settled_at, served = time.monotonic(), rig.metrics()
-        time.sleep(5.0)
+        rig.looks(25)  # 5 s at WATCH_INTERVAL_S: training would have written several deltas
         assert rig.deltas()[-1] == stalled, "training went on without its PS"
         assert training.returncode is None, training.output()[-2000:]
         assert rig.metrics()["deeprec_model_step"] == served["deeprec_model_step"]
@@ -206,7 +204,7 @@ def test_serving_answers_through_a_cut_trainer_and_follows_it_after(cluster, tmp
         wait_until(lambda: rig.deltas()[-1] > stalled, 60, "new delta after the link came back")
         wait_until(lambda: rig.metrics()["deeprec_model_step"] > served["deeprec_model_step"], 30,
                    "serving's step advancing after the link came back")
-        time.sleep(0.5)
+        wait_until(lambda: (client.last_step() or 0) > served["deeprec_model_step"], 10, "a newer model answering")
     finally:
         client.stop()
     during = client.between(cut_at, restored_at)
@@ -239,7 +237,7 @@ def test_serving_never_applies_a_torn_export_and_follows_the_resumed_training(cl
         torn = stop_inside(training, rig.export_dir, ".delta-", 30)
         complete = rig.deltas()[-1]
         steps = complete + 40 * DELTA_EVERY
-        time.sleep(8 * WATCH_INTERVAL_S)  # serving looks several times at the folder with the torn file in it
+        rig.looks(8)  # serving looks several times at the folder with the torn file in it
         wait_until(lambda: rig.metrics()["deeprec_model_step"] == complete, 10, f"serving at delta {complete}")
         training.kill()
         assert (rig.export_dir / torn).exists()  # the torn file stays where serving sees it
@@ -248,7 +246,7 @@ def test_serving_never_applies_a_torn_export_and_follows_the_resumed_training(cl
         checkpointed = max(int(m.group(1)) for p in rig.checkpoints.iterdir()
                            if (m := re.match(r"checkpoint-(\d+)\.manifest\.json$", p.name)))
         assert complete < torn_step and checkpointed <= torn_step, (complete, torn_step, checkpointed)
-        time.sleep(4 * WATCH_INTERVAL_S)
+        rig.looks(4)
         assert rig.metrics()["deeprec_model_step"] == complete
         assert rig.metrics().get("deeprec_model_updates_refused_total", 0) == 0
         # 2. resumed, and killed inside its first full export's write (staged in .export-*); a stop
@@ -267,7 +265,7 @@ def test_serving_never_applies_a_torn_export_and_follows_the_resumed_training(cl
         # completed before the stop landed only where it is newer than the deltas served
         newest = max(complete, _full_exports(rig.export_dir)[-1])
         wait_until(lambda: rig.metrics()["deeprec_model_step"] == newest, 10, f"serving at step {newest}")
-        time.sleep(4 * WATCH_INTERVAL_S)
+        rig.looks(4)
         assert rig.metrics()["deeprec_model_step"] == newest
         # 3. resumed, and killed between two steps once it writes deltas again
         training = rig.train(steps=steps, resume=True)
@@ -278,7 +276,7 @@ def test_serving_never_applies_a_torn_export_and_follows_the_resumed_training(cl
         training = rig.train(steps=steps, resume=True)
         assert training.wait(300) == 0, training.output()[-3000:]
         wait_until(lambda: rig.metrics()["deeprec_model_step"] == steps, 30, f"serving at step {steps}")
-        time.sleep(0.3)
+        wait_until(lambda: client.last_step() == steps, 10, f"an answer from step {steps}")
     finally:
         client.stop()
     failed = [r for r in client.records if not r[2]]

@@ -3,6 +3,7 @@ for a client's request; a body limit, a bearer token, bad deltas refused, /healt
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -215,7 +216,9 @@ def test_a_nan_delta_is_refused_and_the_server_keeps_its_version(dlrm, tmp_path,
         _write_delta(live, 5, 4, _dense(model))  # follows the refused one: refused too, named
         while client.get("/healthz").json()["refused_updates"] < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(0.3)  # never retried: counted once each
+        looks = _checks(client)
+        while _checks(client) < looks + 4 and time.monotonic() < deadline:  # never retried: counted once each
+            time.sleep(0.05)
         metrics = client.get("/metrics").text
         assert "deeprec_model_updates_refused_total 2.0" in metrics and "deeprec_model_step 3.0" in metrics
         assert "deeprec_model_updates_total 0.0" in metrics
@@ -403,3 +406,9 @@ def test_fuzz_no_request_gets_a_500(dlrm, din, real_server):
     assert proc.poll() is None  # no crash
     metrics = httpx.get(f"{url}/metrics").text
     assert 'code="500"' not in metrics
+
+
+def _checks(client) -> float:
+    """How many times serving has looked at its export folder (its watcher's counter)."""
+    text = client.get("/metrics").text
+    return float(re.search(r"^deeprec_model_update_checks_total (\S+)$", text, re.M).group(1))

@@ -14,8 +14,9 @@ from deeprec.serving.export import example_batch
 
 
 def check(export_dir: str, device: str) -> None:
-    warnings.simplefilter("error", category=CompiledFallbackWarning)  # a fallback is a failure here
-    served = ServedModel(export_dir, device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", category=CompiledFallbackWarning)  # a fallback is a failure here
+        served = ServedModel(export_dir, device)
     batch = example_batch(served.schema, 7)
     compiled, served.compiled = served.compiled, None
     want = served.logits(batch)

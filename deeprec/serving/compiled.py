@@ -44,9 +44,17 @@ def package_name(device: str) -> str:
     return f"program.{device}.pt2"
 
 
-def compile_package(program: torch.export.ExportedProgram, path: str) -> str:
-    """Compile `program` (an ExportedProgram on one device) into an AOTInductor package at `path`."""
-    return torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=_COMPILE_OPTIONS)
+def compile_package(program: torch.export.ExportedProgram, path: str, device: str = "cpu") -> str | None:
+    """Compile `program` (an ExportedProgram on `device`) into an AOTInductor package at `path`, or
+    copy the package of the same program from the cache (serving.compile_cache). The cache key when
+    it was compiled here (the caller stores it once the package passed its check), None if copied."""
+    from deeprec.serving import compile_cache
+
+    key = compile_cache.program_key(program, device, _COMPILE_OPTIONS, cpu_flags())
+    if compile_cache.fetch(key, path):
+        return None
+    torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=_COMPILE_OPTIONS)
+    return key
 
 
 def constant_tensor(module: torch.nn.Module, fqn: str) -> torch.Tensor:

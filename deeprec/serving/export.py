@@ -38,6 +38,7 @@ from deeprec.atomic import replace_dir, sha256_file
 from deeprec.errors import ConfigError
 from deeprec.data.schema import Schema, schema_to_dict
 from deeprec.progress import progress as show_progress
+from deeprec.serving import compile_cache
 from deeprec.serving.compiled import cpu_flags, package_name
 from deeprec.serving.frozen import freeze_variables, shared_names
 
@@ -101,13 +102,13 @@ def export(model: torch.nn.Module, path: str, *, schema: Schema | None = None, m
     return path
 
 
-def _compile(frozen: torch.nn.Module, program, batch: dict, staging: str) -> list[str]:
+def _compile(frozen: torch.nn.Module, program, batch: dict, staging: str) -> dict[str, str | None]:
     """The AOTInductor packages into `staging`: CPU from `program`; CUDA from a trace of `frozen` on
-    the GPU (preprocessing ops copy their ids to the host themselves). The devices compiled."""
+    the GPU (preprocessing ops copy their ids to the host themselves). {device: the cache key to store
+    the package under once it passed its check, or None where it came from the cache}."""
     from deeprec.serving.compiled import compile_package, package_name
 
-    compile_package(program, os.path.join(staging, package_name("cpu")))
-    devices = ["cpu"]
+    compiled = {"cpu": compile_package(program, os.path.join(staging, package_name("cpu")))}
     if torch.cuda.is_available():
         try:
             on_gpu = copy.deepcopy(frozen).to("cuda")
@@ -115,17 +116,25 @@ def _compile(frozen: torch.nn.Module, program, batch: dict, staging: str) -> lis
             with torch.no_grad():
                 gpu_program = torch.export.export(on_gpu, (gpu_batch,), dynamic_shapes=_dynamic_shapes(gpu_batch),
                                                   strict=False)
-            compile_package(gpu_program, os.path.join(staging, package_name("cuda")))
-            devices.append("cuda")
+            compiled["cuda"] = compile_package(gpu_program, os.path.join(staging, package_name("cuda")), "cuda")
         except Exception as err:  # the CPU package stands; serving on the GPU says why it has none
             warnings.warn(f"export: no CUDA package ({type(err).__name__}: {str(err).splitlines()[0]})", stacklevel=3)
-    return devices
+    return compiled
 
 
-def verify(export_dir: str, device: str) -> str | None:
+def verify(export_dir: str, device: str, in_process: bool = False) -> str | None:
     """None if the package of `device` in `export_dir` loads and scores an example batch as the traced
-    program does, in a child process (deeprec.serving.check_package: a loader that crashes must not
-    take the exporting process down), else why not."""
+    program does, else why not. In a child process (deeprec.serving.check_package: a loader that
+    crashes must not take the exporting process down); `in_process` for a package from the cache,
+    which loaded in such a child before, on this machine (then only the new weights are checked)."""
+    if in_process:
+        from deeprec.serving.check_package import check
+
+        try:
+            check(export_dir, device)
+            return None
+        except (Exception, SystemExit) as err:  # noqa: BLE001 - any failure: the package is left out
+            return f"its test load failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
     try:
         done = subprocess.run([sys.executable, "-m", "deeprec.serving.check_package", export_dir, device],
                               capture_output=True, text=True, timeout=600)
@@ -166,25 +175,27 @@ def _write(program, model, path: str, schema: Schema, batch: dict, model_name, s
         shown.stage(STAGES[3])
         tensors, shared = shared_names(frozen, tensors)  # a module under several names: stored once
         save_file({k: v.detach().contiguous() for k, v in tensors.items()}, os.path.join(staging, TABLES))
-        compiled = []
+        compiled = {}
         if compile:
             shown.stage(STAGES[4])
             compiled = _compile(frozen, program, batch, staging)
         manifest = {"format": FORMAT, "model": model_name or type(model).__name__.lower(), "step": int(step),
                     "schema": schema_to_dict(schema), "labels": list(getattr(model, "label_columns", ("label",))),
-                    "inputs": sorted(batch), "compiled": compiled, "shared": shared,
+                    "inputs": sorted(batch), "compiled": list(compiled), "shared": shared,
                     "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the ISA the .so's kernels use
                     "cpu_flags": cpu_flags(),  # -march=native: the package may use any of them
                     "deeprec": deeprec.__version__, "torch": torch.__version__}
         _write_manifest(staging, manifest)
-        for device in compiled:  # each package loaded and run once, in a child process, before it is listed
-            why = verify(staging, device)
+        for device, key in compiled.items():  # each package loaded and run once before it is listed
+            why = verify(staging, device, in_process=key is None)
             if why is not None:
                 warnings.warn(f"export: the {device} package is left out, serving runs the traced program: {why}",
                               stacklevel=3)
                 os.unlink(os.path.join(staging, package_name(device)))
                 manifest["compiled"] = [d for d in manifest["compiled"] if d != device]
                 _write_manifest(staging, manifest)
+            elif key is not None:
+                compile_cache.store(key, os.path.join(staging, package_name(device)))
         replace_dir(staging, path)  # every file fsynced, then renamed in (an older export aside, then dropped)
         shown.advance()  # the last stage done
     except BaseException:

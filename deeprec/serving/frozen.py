@@ -7,7 +7,7 @@
 Plain tensor ops, so torch.export captures the lookup; no hash table, no lock, no insert. The
 graph holds no count of keys (sentinels, int64 max with the missing value as their rows, end
 every search), so an online update may replace the buffers with more keys (`merged`). The index
-keeps headroom (a quarter more rows, at least 64, as sentinels): a compiled program
+keeps headroom (a quarter more rows, at least 64, as sentinels, rounded up): a compiled program
 (serving.compiled) has fixed shapes, and deltas that add keys fill the headroom without
 changing them.
 """
@@ -50,8 +50,13 @@ class FrozenEmbeddingVariable(nn.Module):
 
 
 def with_headroom(keys: int) -> int:
-    """Rows of a frozen index of `keys` keys: the keys, a quarter more (at least 64), a sentinel."""
-    return keys + max(keys // 4, 64) + 1
+    """Rows of a frozen index of `keys` keys: the keys, a quarter more (at least 64) and a sentinel,
+    rounded up to one of 8 sizes per doubling. A variable that grew a little between two full exports
+    then keeps its shape, and the second export takes the first one's compiled package from the
+    cache (serving.compile_cache) instead of compiling again."""
+    rows = keys + max(keys // 4, 64) + 1
+    step = 1 << max(rows.bit_length() - 4, 0)
+    return -(-rows // step) * step
 
 
 def sorted_index(keys: torch.Tensor, values: torch.Tensor, missing_value: float, rows: int = 0):

@@ -92,6 +92,9 @@ class Metrics:
         self.updates_refused = Counter("deeprec_model_updates_refused", "deltas or full exports refused (corrupt, "
                                        "non-finite values, a failed probe prediction); never retried, the "
                                        "model served stays as it was", model, registry=r)
+        self.update_checks = Counter("deeprec_model_update_checks", "looks at the export folder for a newer "
+                                     "model (the watcher is alive: it grows every --watch-interval)", model,
+                                     registry=r)
         self.ready = Gauge("deeprec_model_ready", "1 if the model served answers a probe prediction", model,
                            registry=r)
 
@@ -238,6 +241,7 @@ class Served:
                 continue
             finally:
                 self.note_refusals()
+                self.metrics.of(self.metrics.update_checks, self.name).inc()
             if newer is not None:  # swapped between two batches: a batch reads batcher.model once
                 self.batcher.model = newer
                 self.step.set(newer.step)

@@ -93,6 +93,7 @@ class PSServicer:
         self.applied = threading.Condition()
         # sync pulls wait on gRPC threads: at most half of them, so other calls (Health) are always served
         self.waiters = threading.BoundedSemaphore(max(1, threads // 2))
+        self.waiting = 0  # sync pulls waiting for a step now (Health's "waiting_pulls")
 
     def _wait_applied(self, after, context) -> None:
         """Sync: a pull of step t waits (bounded) for step t-1's update, on this gRPC thread; a
@@ -114,9 +115,13 @@ class PSServicer:
             remaining = context.time_remaining()
             timeout = MAX_WAIT_S if remaining is None else min(remaining - 0.5, MAX_WAIT_S)
             with self.applied:
-                if not self.applied.wait_for(ready, timeout=max(0.0, timeout)):
-                    raise _DeadlineExceeded(f"step {after} was not applied within {timeout:.0f}s "
-                                            "(a sync worker is missing?)")
+                self.waiting += 1
+                try:
+                    if not self.applied.wait_for(ready, timeout=max(0.0, timeout)):
+                        raise _DeadlineExceeded(f"step {after} was not applied within {timeout:.0f}s "
+                                                "(a sync worker is missing?)")
+                finally:
+                    self.waiting -= 1
         finally:
             self.waiters.release()
 
@@ -174,7 +179,8 @@ class PSServicer:
             if method == "Health":  # answered here, never waits for the shard's lock
                 s = self.state
                 return pack({"shard": s.shard_index, "applied_step": s.applied_step, "restore_id": self.restore_id,
-                             "restored_step": self.restored_step, **self._identity()}, {})
+                             "restored_step": self.restored_step, "waiting_pulls": self.waiting,
+                             **self._identity()}, {})
             self._check_expect(header)
             if header.get("after_step") is not None:
                 self._wait_applied(header["after_step"], context)

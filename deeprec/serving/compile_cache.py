@@ -1,0 +1,98 @@
+"""Compiled packages kept for the next export of the same program: AOTInductor takes 20-60 s on 2
+cores, and a model exported again (every full export while training, a re-export of a checkpoint)
+is most often the same graph on the same shapes with new weights, which the package does not hold
+for serving (serving.compiled binds the export's own tensors).
+
+    export ──program_key(program)──> DEEPREC_CACHE/compiled/<key>.pt2 ──there──> copied (no compile)
+                                                                     └absent──> compiled, verified in a
+                                                                                child, then stored here
+
+The key is what the package depends on: the graph's code, every node's shape, dtype and stride, the
+shapes of the weights (and the values of the small ones, which inductor may fold in), torch, the
+deeprec ops' library, inductor's options and this CPU's flags. Only a package that passed the
+export's check is stored; a copied one is checked again against the new weights. The newest
+MAX_ENTRIES are kept.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import sys
+
+import torch
+
+MAX_ENTRIES = 16
+_SMALL = 64  # weights of at most this many values enter the key by value (a folded scalar is never stale)
+
+
+def cache_folder() -> str:
+    root = os.environ.get("DEEPREC_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "deeprec"))
+    return os.path.join(root, "compiled")
+
+
+@functools.lru_cache(maxsize=1)
+def _ops_library() -> str:
+    """sha256 of the deeprec C++ extension: a package calls its ops by name, their kernels by schema."""
+    import deeprec._C as extension
+
+    with open(extension.__file__, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _describe(value) -> str:
+    """A node's value as the compiler sees it: shapes (symbolic ones by name), dtype, strides."""
+    if isinstance(value, torch.Tensor):
+        return f"T{tuple(value.shape)}{value.dtype}{value.stride()}{value.device.type}"
+    if isinstance(value, (list, tuple)):
+        return "(" + ",".join(_describe(v) for v in value) + ")"
+    return type(value).__name__ + ":" + str(value)
+
+
+def program_key(program: torch.export.ExportedProgram, device: str, options: dict, flags: list[str]) -> str:
+    h = hashlib.sha256()
+
+    def add(*parts) -> None:
+        for part in parts:
+            h.update(str(part).encode())
+            h.update(b"\0")
+
+    add(torch.__version__, sys.version, _ops_library(), sorted(options.items()), device, " ".join(flags),
+        sorted((k, v) for k, v in os.environ.items() if k.startswith("TORCHINDUCTOR_")))
+    add(program.graph_module.code, program.graph_signature, program.call_spec, program.range_constraints)
+    for node in program.graph.nodes:
+        add(node.name, _describe(node.meta.get("val")))
+    for name, tensor in sorted({**program.state_dict, **program.constants}.items()):
+        if isinstance(tensor, torch.Tensor):
+            add(name, _describe(tensor))
+            if tensor.numel() <= _SMALL:
+                add(tensor.detach().cpu().contiguous().numpy().tobytes().hex())
+    return h.hexdigest()[:40]
+
+
+def fetch(key: str, path: str) -> bool:
+    """Copies the package stored under `key` to `path`; False if there is none."""
+    stored = os.path.join(cache_folder(), f"{key}.pt2")
+    try:
+        shutil.copyfile(stored, path)
+    except FileNotFoundError:
+        return False
+    os.utime(stored)  # recently used: kept longer
+    return True
+
+
+def store(key: str, path: str) -> None:
+    """Keeps the package at `path` under `key` (atomic: concurrent exports may store the same key);
+    the oldest entries beyond MAX_ENTRIES are dropped. A cache that cannot be written is no error."""
+    folder = cache_folder()
+    try:
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".{key}.{os.getpid()}.tmp")
+        shutil.copyfile(path, tmp)
+        os.replace(tmp, os.path.join(folder, f"{key}.pt2"))
+        entries = sorted((e for e in os.scandir(folder) if e.name.endswith(".pt2")), key=lambda e: e.stat().st_mtime)
+        for old in entries[:-MAX_ENTRIES]:
+            os.unlink(old.path)
+    except OSError:
+        pass
