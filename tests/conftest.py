@@ -1,4 +1,5 @@
 import contextlib
+import json
 import csv
 import subprocess
 import sys
@@ -158,3 +159,25 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("=", f"tests over {SLOW_S:.0f} s without slow(reason=...)", yellow=True)
         for seconds, nodeid in unexplained:
             terminalreporter.write_line(f"{seconds:7.1f}s {nodeid}")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    """`make test` runs `--dist loadgroup`: each group of tests (a file, whose tests share module
+    fixtures; test_docs.py's commands by page, each page's in order) goes whole to one worker, and
+    the groups go longest first (tests/durations.json, from the last measured run: see
+    tests/durations.py), so that no long file starts last and runs alone while the others idle."""
+    from durations import DURATIONS, group_of
+
+    try:
+        with open(DURATIONS) as f:
+            seconds = json.load(f)
+    except FileNotFoundError:
+        seconds = {}
+    groups = {}
+    for item in items:
+        cmd = getattr(item, "callspec", None) and item.callspec.params.get("cmd")
+        groups[item] = group_of(item.module.__name__, getattr(cmd, "page", ""))
+        item.add_marker(pytest.mark.xdist_group(groups[item]))
+    order = {g: i for i, g in enumerate(dict.fromkeys(groups.values()))}  # collection order within ties
+    items.sort(key=lambda item: (-seconds.get(groups[item], 10.0), order[groups[item]]))

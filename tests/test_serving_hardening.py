@@ -369,7 +369,9 @@ def test_fuzz_no_request_gets_a_500(dlrm, din, real_server):
     from hypothesis import HealthCheck, given, seed, settings
 
     st, _, value = _fuzz_strategies()
-    fuzz_seed = int(os.environ.get("DEEPREC_FUZZ_SEED", random.randrange(2 ** 32)))
+    # one fixed seed: the suite's result never depends on the draw; DEEPREC_FUZZ_SEED=random explores
+    fuzz_seed = os.environ.get("DEEPREC_FUZZ_SEED", "20261128")
+    fuzz_seed = random.randrange(2 ** 32) if fuzz_seed == "random" else int(fuzz_seed)
     print(f"fuzz seed {fuzz_seed} (rerun with DEEPREC_FUZZ_SEED={fuzz_seed})", flush=True)
     url, _, proc = real_server
     apps = {"dlrm": (_client(dlrm[0], max_rows=64, max_body_bytes=1 << 16), dlrm[1]),
