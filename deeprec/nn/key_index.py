@@ -17,7 +17,7 @@ import torch
 
 import deeprec._C  # noqa: F401  (registers torch.ops.deeprec.key_index_*)
 
-_EMPTY = torch.empty(0, dtype=torch.int64)
+NO_KEYS = torch.empty(0, dtype=torch.int64)  # "none given" to the ops (no namespaces, no counts)
 _MIN_SLOTS = 16
 
 
@@ -53,7 +53,7 @@ class KeyIndex:
     def lookup(self, keys: torch.Tensor, ns: torch.Tensor | None = None) -> torch.Tensor:
         """The row of each key, -1 where not held."""
         rows, _, _, _ = torch.ops.deeprec.key_index_find(
-            [self.table], [_EMPTY], [_EMPTY], [_EMPTY if ns is None else ns], [keys.to(torch.int64)], [_EMPTY],
+            [self.table], [NO_KEYS], [NO_KEYS], [NO_KEYS if ns is None else ns], [keys.to(torch.int64)], [NO_KEYS],
             [0], False, False)
         return rows[0]
 
@@ -66,22 +66,22 @@ class KeyIndex:
         if insert:
             self.reserve(keys.numel())
         rows, _, fresh, stats = torch.ops.deeprec.key_index_find(
-            [self.table], [row_keys], [_EMPTY if freq is None else freq], [_EMPTY if ns is None else ns],
-            [keys.to(torch.int64)], [_EMPTY], [size], insert, False)
+            [self.table], [row_keys], [NO_KEYS if freq is None else freq], [NO_KEYS if ns is None else ns],
+            [keys.to(torch.int64)], [NO_KEYS], [size], insert, False)
         self.entries += fresh[0].numel()
         return rows[0], fresh[0], int(stats[0, 1])
 
     def assign(self, keys: torch.Tensor, rows: torch.Tensor, ns: torch.Tensor | None = None) -> int:
         """keys -> rows, inserted or overwritten; returns how many keys were new."""
         self.reserve(keys.numel())
-        added = torch.ops.deeprec.key_index_assign(self.table, _EMPTY if ns is None else ns, keys.to(torch.int64),
+        added = torch.ops.deeprec.key_index_assign(self.table, NO_KEYS if ns is None else ns, keys.to(torch.int64),
                                                    rows.to(torch.int64))
         self.entries += added
         return added
 
     def remove(self, keys: torch.Tensor, ns: torch.Tensor | None = None) -> int:
         """Forget the keys (those not held are ignored); returns how many were held."""
-        removed = torch.ops.deeprec.key_index_remove(self.table, _EMPTY if ns is None else ns, keys.to(torch.int64))
+        removed = torch.ops.deeprec.key_index_remove(self.table, NO_KEYS if ns is None else ns, keys.to(torch.int64))
         self.entries -= removed
         return removed
 
@@ -107,8 +107,8 @@ def find_rows(indexes: list[KeyIndex], row_keys: list[torch.Tensor], freqs: list
         for index, part in zip(indexes, keys):
             index.reserve(part.numel())
     rows, inverse, fresh, stats = torch.ops.deeprec.key_index_find(
-        [index.table for index in indexes], row_keys, freqs, [_EMPTY] * len(indexes), keys,
-        [_EMPTY if c is None else c for c in counts], sizes, insert, dedup)
+        [index.table for index in indexes], row_keys, freqs, [NO_KEYS] * len(indexes), keys,
+        [NO_KEYS if c is None else c for c in counts], sizes, insert, dedup)
     if insert:
         for index, new in zip(indexes, fresh):
             index.entries += new.numel()

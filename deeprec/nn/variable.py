@@ -35,7 +35,7 @@ import threading
 import torch
 
 from deeprec.errors import ConfigError
-from deeprec.nn.key_index import KeyIndex
+from deeprec.nn.key_index import NO_KEYS, KeyIndex
 from deeprec.nn.lookup import EmbeddingLookup, RowGather, merge_rows
 from deeprec.nn.options import CBFFilter, CounterFilter, EmbeddingVariableOption, GlobalStepEvict, L2WeightEvict
 
@@ -512,9 +512,6 @@ class EmbeddingVariable(EmbeddingLookup):
         return per_row + self._index.nbytes() / max(self.size, 1)
 
 
-_NONE = torch.empty(0, dtype=torch.int64)
-
-
 def _locked(evs: list[EmbeddingVariable]) -> contextlib.ExitStack:
     """Every variable's lock held (in list order) until the returned stack closes."""
     held = contextlib.ExitStack()
@@ -535,7 +532,7 @@ def _native_lookup(evs: list[EmbeddingVariable], keys: list[torch.Tensor], count
         values, rows, inverse, stats = torch.ops.deeprec.ev_lookup(
             [ev._index.table for ev in evs], [ev.keys for ev in evs], [ev.freq for ev in evs],
             [ev.weight for ev in evs], [ev.version for ev in evs], [ev.dirty for ev in evs],
-            [ev._defaults for ev in evs], keys, [_NONE if c is None else c.to(torch.int64).contiguous() for c in counts],
+            [ev._defaults for ev in evs], keys, [NO_KEYS if c is None else c.to(torch.int64).contiguous() for c in counts],
             [ev.size for ev in evs], [ev.global_step for ev in evs], [ev._no_permission for ev in evs], train, dedup)
         if train:
             for ev, created in zip(evs, stats[:, 3].tolist()):
