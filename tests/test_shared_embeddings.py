@@ -137,3 +137,20 @@ def test_use_storage_tiers_a_shared_variable_under_every_name(tmp_path):
     assert use_storage(model, StorageOption(tiers=["dram", "ssd"], dram_bytes=4000, path=str(tmp_path))) == 2
     assert isinstance(model["a"], TieredEmbeddingVariable) and model["a"] is model["b"]
     assert isinstance(model["c"], TieredEmbeddingVariable) and model["c"] is not model["a"]
+
+
+def test_a_local_checkpoint_holds_a_shared_variable_once_and_restores_both_names(schema):
+    """The updater's state (what a checkpoint saves) names the shared variable once; loaded into a
+    fresh model, both names hold its rows and the model scores as the trained one."""
+    from deeprec.runtime.updater import LocalUpdater
+
+    model, optimizer = trained(schema)
+    state = LocalUpdater(model, optimizer).state_dict()
+    assert any(k.startswith("evs.C1.") for k in state["model"])
+    assert not any(k.startswith("evs.C2.") for k in state["model"])  # once: before, its rows were saved twice
+    torch.manual_seed(1)
+    fresh = cm.SharedNames()
+    LocalUpdater(fresh, make_optimizer(fresh, "adagrad", 0.05)).load_state_dict(state)
+    assert fresh.evs["C1"] is fresh.evs["C2"]
+    batch = batches(schema, 1, 50)[0]
+    torch.testing.assert_close(scores(fresh, batch), scores(model, batch), rtol=0, atol=0)

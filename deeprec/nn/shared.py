@@ -60,4 +60,13 @@ def state_under_every_name(model: nn.Module, state: dict) -> dict:
     return out
 
 
-__all__ = ["module_paths", "replace_module", "state_under_every_name"]
+def state_once(model: nn.Module, state: dict) -> dict:
+    """`state` (a `model.state_dict()`) without the entries under a module's other names: a module
+    registered under several names is saved once, under its first (state_under_every_name gives
+    the other names back when it is loaded)."""
+    others = tuple(p + "." for paths in module_paths(model).values() if len(paths) > 1 and all(paths)
+                   for p in paths[1:])
+    return {k: v for k, v in state.items() if not k.startswith(others)} if others else state
+
+
+__all__ = ["module_paths", "replace_module", "state_once", "state_under_every_name"]

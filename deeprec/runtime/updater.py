@@ -23,6 +23,8 @@ from typing import Protocol
 
 from torch import nn
 
+from deeprec.nn.shared import state_once, state_under_every_name
+
 
 class Updater(Protocol):
     step: int  # optimizer steps taken (restored from checkpoints)
@@ -68,10 +70,12 @@ class LocalUpdater:
         pass
 
     def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        # a module under several names (an EV shared by two features): its rows saved once
+        return {"model": state_once(self.model, self.model.state_dict()), "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])  # EmbeddingVariables merge incremental rows
+        # EmbeddingVariables merge incremental rows; a shared module's other names from its first
+        self.model.load_state_dict(state_under_every_name(self.model, state["model"]))
         self.optimizer.load_state_dict(state["optimizer"])
 
 
