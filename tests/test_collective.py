@@ -373,6 +373,15 @@ def test_explain_prints_the_sharding_plan():
     assert "collective sharding over 4 ranks" in done.stdout and "table-wise (on rank 3)" in done.stdout
 
 
+def test_the_plan_lists_free_embedding_variables_under_every_name():
+    import custom_models as cm
+    from deeprec.distributed.collective.planner import plan_model
+
+    lines = plan_model(cm.SharedNames(), 2)
+    assert "free EmbeddingVariables over 2 ranks (all-to-all of their rows each step):" in lines
+    assert any(line.startswith("  evs.C1 = evs.C2: grows,") and "row-wise (key % 1000 % N)" in line for line in lines)
+
+
 def test_launch_collective_stops_every_rank_when_one_fails(tmp_path, unique_tsv):
     lines = open(unique_tsv).read().splitlines()[:4000]
     lines[3500] = "garbage"  # in rank 1's byte range: it stops at once, rank 0 would wait for it forever

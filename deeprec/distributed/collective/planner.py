@@ -80,12 +80,20 @@ def plan_lookup(lookup: nn.Module, world: int) -> list[TablePlan]:
 
 
 def plan_model(model: nn.Module, world: int) -> list[str]:
-    """explain()'s lines for `model`'s EmbeddingCollections sharded over `world` ranks."""
+    """explain()'s lines for `model`'s EmbeddingCollections and free EmbeddingVariables sharded over
+    `world` ranks."""
+    from deeprec.distributed.collective.variables import free_variables
     from deeprec.nn.collection import EmbeddingCollection
+    from deeprec.nn.shared import module_paths
 
     lines = []
     for collection in (m for m in model.modules() if isinstance(m, EmbeddingCollection)):
         lines += describe_plan(plan_lookup(collection.lookup, world), world)
+    free, paths = free_variables(model), module_paths(model)
+    if free:
+        lines.append(f"free EmbeddingVariables over {world} ranks (all-to-all of their rows each step):")
+        lines += [f"  {' = '.join(paths[id(ev)])}: grows, {ev.embedding_dim} dims, row-wise (key % 1000 % N)"
+                  for ev in free]
     return lines
 
 

@@ -85,17 +85,23 @@ class ShardedVariable(ShardedLookup):
         return f"{self.variable.extra_repr()}, rank {self.rank} of {self.world}"
 
 
+def free_variables(model: nn.Module) -> list[EmbeddingVariable]:
+    """`model`'s free EmbeddingVariables (not an EmbeddingCollection's tables), each once."""
+    from deeprec.nn.collection import EmbeddingCollection
+
+    tables = {id(ev) for c in model.modules() if isinstance(c, EmbeddingCollection) for ev in c.modules()}
+    return [m for m in model.modules() if isinstance(m, EmbeddingVariable) and id(m) not in tables]
+
+
 def shard_variables(model: nn.Module, group=None) -> int:
     """Swap every free EmbeddingVariable of `model` (not an EmbeddingCollection's table) for this
     rank's ShardedVariable, wherever it is registered; returns how many variables."""
-    from deeprec.nn.collection import EmbeddingCollection
     from deeprec.nn.shared import replace_module
 
-    tables = {id(ev) for c in model.modules() if isinstance(c, EmbeddingCollection) for ev in c.modules()}
-    free = {id(m): m for m in model.modules() if isinstance(m, EmbeddingVariable) and id(m) not in tables}
-    for ev in free.values():
+    free = free_variables(model)
+    for ev in free:
         replace_module(model, ev, ShardedVariable(ev, group))
     return len(free)
 
 
-__all__ = ["ShardedVariable", "shard_variables"]
+__all__ = ["ShardedVariable", "free_variables", "shard_variables"]
