@@ -203,9 +203,12 @@ def cmd_export(args, console: Console) -> int:
     from deeprec.serving import export
     from deeprec.strategies import model_from_checkpoint
 
+    from deeprec.serving.online import export_errors
+
     model, state, schema, path = model_from_checkpoint(args.checkpoint, args.model)
-    out = export(model, args.out, schema=schema, model_name=state["model_name"], step=int(state["step"]),
-                 compile=args.compile)
+    with export_errors(args.out, int(state["step"]), flag="--out"):  # a full disk: one line, not a bug's
+        out = export(model, args.out, schema=schema, model_name=state["model_name"], step=int(state["step"]),
+                     compile=args.compile)
     console.print(f"exported {path} (step {state['step']}) to {out}")
     return 0
 

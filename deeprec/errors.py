@@ -51,8 +51,8 @@ class ExportError(DeepRecError):
     """A serving export written while training (--export-dir) that could not be written (a full disk, a
     folder that cannot be written); ``path`` is the export folder, ``step`` the step exported."""
 
-    def __init__(self, path: str, step: int, err: OSError):
-        super().__init__(f"--export-dir {path}: the export of step {step} cannot be written ({err.strerror or err})")
+    def __init__(self, path: str, step: int, err: OSError, flag: str = "--export-dir"):
+        super().__init__(f"{flag} {path}: the export of step {step} cannot be written ({err.strerror or err})")
         self.path, self.step, self.reason = path, step, err.strerror or str(err)
 
 

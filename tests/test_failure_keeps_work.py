@@ -21,6 +21,7 @@ from deeprec.runlog import RunLog
 from deeprec.serving.online import ExportWriter
 from deeprec.train_config import FOLLOW_CHECKPOINT_EVERY, TrainConfig
 from deeprec.trainer import Trainer, train
+from output import line_with
 
 # the reader parses 4 MiB chunks (about 16,000 of these rows) whole: the bad row sits in the second chunk, so
 # the steps before it are the first chunk's whole batches (about 31)
@@ -256,6 +257,17 @@ def test_a_delta_on_a_full_disk_is_an_export_error_and_leaves_nothing(full_fs, s
         writer.delta(2)
     assert sorted(os.listdir(exports)) == sorted(before + [".filler"]) and writer.last_step == 1
 
+
+
+def test_deeprec_export_onto_a_full_disk_is_one_line_naming_out(tmp_path, bad_tsv, full_fs, capsys):
+    checkpoint = _one_checkpoint(tmp_path, bad_tsv)
+    out = full_fs(4096) / "exp"
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", checkpoint, "--out", str(out), "--no-compile"]) == 1
+    err = capsys.readouterr().err
+    assert line_with(err, f"--out {out}: the export of step 1 cannot be written (No space left on device)")
+    assert "Traceback" not in err and "internal error" not in err
+    assert not os.path.exists(out)  # no half export
 
 # -- --follow keeps the work by default --------------------------------------------------------------------------
 def test_follow_checkpoints_every_1000_steps_unless_told(tmp_path, capsys):

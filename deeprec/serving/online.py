@@ -61,18 +61,19 @@ def _variables(model: torch.nn.Module) -> dict:
 
 
 @contextlib.contextmanager
-def _writing(directory: str, step: int):
-    """An export that cannot be written (a full disk): an ExportError naming the folder, the step and the
-    OS error, for the trainer to end the run with after its checkpoint (docs/reliability.md)."""
+def export_errors(directory: str, step: int, flag: str = "--export-dir"):
+    """An export that cannot be written (a full disk): an ExportError naming the folder (as `flag`), the
+    step and the OS error, for the trainer to end the run with after its checkpoint, or `deeprec
+    export` with its one line (docs/reliability.md)."""
     try:
         yield
     except OSError as err:
-        raise ExportError(directory, step, err) from None
+        raise ExportError(directory, step, err, flag) from None
     except SafetensorError as err:  # safetensors' own error for a failed write: "... (os error 28)"
         code = re.search(r"\(os error (\d+)\)", str(err))
         if code is None:
             raise
-        raise ExportError(directory, step, OSError(int(code[1]), os.strerror(int(code[1])))) from None
+        raise ExportError(directory, step, OSError(int(code[1]), os.strerror(int(code[1]))), flag) from None
 
 
 class ExportWriter:
@@ -92,12 +93,12 @@ class ExportWriter:
         self._marks = {name: ev.global_step for name, ev in _variables(self.model).items()}
 
     def full(self, step: int) -> str:
-        with _writing(self.directory, step):
+        with export_errors(self.directory, step):
             return self._full(step)
 
     def delta(self, step: int) -> str:
         """The rows updated since the last export, and the dense weights (a full export if none yet)."""
-        with _writing(self.directory, step):
+        with export_errors(self.directory, step):
             return self._full(step) if self.last_step is None else self._delta(step)
 
     def _full(self, step: int) -> str:
