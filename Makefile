@@ -22,15 +22,15 @@ run: $(STAMP)
 	$(VENV)/bin/deeprec train --model dlrm --epochs 5 --batch-size 32
 
 # The suite on every core (pytest-xdist; tests/conftest.py gives each worker its share of the threads),
-# a test file's tests on one worker (they share module fixtures; test_docs.py's by page), the longest groups
-# first (tests/durations.json); the 25 slowest tests listed at the end.
+# a test file's tests on one worker (they share module fixtures), the longest files first
+# (tests/durations.json); the 25 slowest tests listed at the end.
 PYTEST_WORKERS ?= auto
 test: $(STAMP)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --durations=25
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=25
 
 # The edit loop: the tests not marked slow (a few minutes)
 test-quick: $(STAMP)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow" --durations=10
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not slow" --durations=10
 
 bench: $(STAMP)
 	$(PY) bench/ops_hash.py

@@ -139,7 +139,7 @@ _took: dict[str, float] = {}
 _reasons: dict[str, str] = {}
 
 
-def pytest_collection_modifyitems(items):
+def _note_slow_reasons(items) -> None:
     for item in items:
         marker = item.get_closest_marker("slow")
         if marker is not None and marker.kwargs.get("reason"):
@@ -161,23 +161,21 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"{seconds:7.1f}s {nodeid}")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    """`make test` runs `--dist loadgroup`: each group of tests (a file, whose tests share module
-    fixtures; test_docs.py's commands by page, each page's in order) goes whole to one worker, and
-    the groups go longest first (tests/durations.json, from the last measured run: see
-    tests/durations.py), so that no long file starts last and runs alone while the others idle."""
-    from durations import DURATIONS, group_of
+    """`make test` runs `--dist loadfile` (a file's tests share module fixtures: one worker each) and
+    xdist hands out the files in collection order: here the longest first (tests/durations.json, from
+    the last measured run: see tests/durations.py), so that no long file starts last and runs alone
+    while the other workers idle. (`--dist loadgroup` would split test_docs.py by page, but
+    pytest-xdist 3.8 cannot mark groups under pytest 9: its nodeid rewrite sets an attribute pytest 9
+    no longer reads.)"""
+    from durations import DURATIONS
 
     try:
         with open(DURATIONS) as f:
             seconds = json.load(f)
     except FileNotFoundError:
         seconds = {}
-    groups = {}
-    for item in items:
-        cmd = getattr(item, "callspec", None) and item.callspec.params.get("cmd")
-        groups[item] = group_of(item.module.__name__, getattr(cmd, "page", ""))
-        item.add_marker(pytest.mark.xdist_group(groups[item]))
-    order = {g: i for i, g in enumerate(dict.fromkeys(groups.values()))}  # collection order within ties
-    items.sort(key=lambda item: (-seconds.get(groups[item], 10.0), order[groups[item]]))
+    _note_slow_reasons(items)
+    files = {item: item.module.__name__ for item in items}
+    order = {f: i for i, f in enumerate(dict.fromkeys(files.values()))}  # collection order within ties
+    items.sort(key=lambda item: (-seconds.get(files[item], 10.0), order[files[item]]))

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from s3_server import s3  # noqa: F401  (the fixture)
 
-from deeprec.data import CsvReader, Column, ParquetReader, Schema, fs, ranged
+from deeprec.data import CsvReader, Column, ParquetReader, Schema, fs, ranged, stores
 from deeprec.data.parquet import _raise_if_changed
 from deeprec.data.ranged import ChangedError
 
@@ -56,7 +56,7 @@ def test_a_parquet_object_overwritten_after_its_footer_was_read_is_an_error(s3, 
     s3.put("versions-pq/day.parquet", local.read_bytes())
     with pytest.raises(ChangedError, match=rf"^{url}: changed while being read"):
         _rows(reader)
-    monkeypatch.setattr(fs, "BLOCK_BYTES", 1024)  # the footer's reads leave row group 0 unread
+    monkeypatch.setattr(stores, "BLOCK_BYTES", 1024)  # the footer's reads leave row group 0 unread
     opened = ParquetReader(url, 64, columns=SCHEMA)  # overwritten between the reads of one open file:
     handle = fs.open_parquet(url, opened._versions[url])  # its GETs carry If-Match, refused by the store
     pq.write_table(table, local, row_group_size=100)

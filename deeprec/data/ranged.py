@@ -20,7 +20,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from deeprec.data import fs
+from deeprec.data import stores
+from deeprec.data.stores import StoreError  # noqa: F401  - ranged.StoreError, as its callers name it
 from deeprec.errors import DataError
 
 _TAGS = ("ETag", "etag", "generation", "VersionId", "md5Hash", "ino")  # what names one version, by store
@@ -29,14 +30,6 @@ _TIMES = ("LastModified", "mtime", "last_modified", "updated", "modified", "crea
 
 class ChangedError(DataError):
     """A file or object that changed between the reader's first look and a later read of it."""
-
-
-class StoreError(DataError):
-    """The store could not be read (network, credentials, a file that is gone); `missing`: it is gone."""
-
-    def __init__(self, message: str, path: str | None = None, missing: bool = False):
-        super().__init__(message, path)
-        self.missing = missing
 
 
 @dataclass(frozen=True)
@@ -101,24 +94,24 @@ def _local(stat: os.stat_result) -> Version:
 
 def version(path: str, fresh: bool = False) -> Version:
     """The file's version now (fresh: not from a cached listing)."""
-    if not fs.is_url(path):
+    if not stores.is_url(path):
         try:
             return _local(os.stat(path))
         except OSError as err:
-            raise fs.remote_error(err, path) from None
-    filesystem, inner = fs.filesystem(path)
+            raise stores.remote_error(err, path) from None
+    filesystem, inner = stores.filesystem(path)
     try:
         if fresh:
             filesystem.invalidate_cache(inner)
         return from_info(filesystem.info(inner))
     except Exception as err:
-        raise fs.remote_error(err, path) from None
+        raise stores.remote_error(err, path) from None
 
 
 def versions(paths: list[str]) -> dict:
     """{path: its version now}: what a reader pins when it is made. Looked up afresh, never from a listing
     cached earlier in the process (an object overwritten since would read as changed); remote ones 8 at a time."""
-    remote = [p for p in paths if fs.is_url(p)]
+    remote = [p for p in paths if stores.is_url(p)]
     found = dict(zip(remote, _pool().map(lambda p: version(p, fresh=True), remote))) if remote else {}
     return {p: found[p] if p in found else version(p) for p in paths}
 
@@ -127,7 +120,7 @@ def changed(path: str, first: Version, now: Version | None = None) -> ChangedErr
     how = f"it {first.change(now)}" if now is not None else "another version replaced it"
     return ChangedError(f"changed while being read: {how} after reading began (the version first seen: "
                         f"{first.words()}); nothing of the new version is read: land new data under a new name",
-                        fs.redact(path))
+                        stores.redact(path))
 
 
 def is_expired(err: BaseException) -> bool:
@@ -149,7 +142,7 @@ def open_local(path: str, first: Version | None = None):
     try:
         f = open(path, "rb")
     except OSError as err:
-        raise fs.remote_error(err, path) from None
+        raise stores.remote_error(err, path) from None
     try:
         check_local(path, first, os.fstat(f.fileno()))
     except BaseException:
@@ -161,17 +154,17 @@ def open_local(path: str, first: Version | None = None):
 def open_pinned(path: str, first: Version | None = None):
     """For pyarrow's Parquet and ORC readers: a local path (its inode checked against `first`), or an
     fsspec file of a URL whose version is `first` (its reads pinned by If-Match where the store has it)."""
-    if not fs.is_url(path):
+    if not stores.is_url(path):
         if first is not None:
             check_local(path, first, os.stat(path))
         return path
-    filesystem, inner = fs.filesystem(path)
+    filesystem, inner = stores.filesystem(path)
     try:
         if first is None:  # the version there now, not one a listing cached earlier
             filesystem.invalidate_cache(inner)
-        f = filesystem.open(inner, "rb", block_size=fs.BLOCK_BYTES, cache_type="readahead")
+        f = filesystem.open(inner, "rb", block_size=stores.BLOCK_BYTES, cache_type="readahead")
     except Exception as err:
-        raise fs.remote_error(err, path) from None
+        raise stores.remote_error(err, path) from None
     details = getattr(f, "details", None)
     if first is not None and isinstance(details, dict) and not from_info(details).same(first):
         f.close()
@@ -197,17 +190,17 @@ class RangeFile(io.RawIOBase):
     i+1..i+ahead in the background (up to `stop`), so the next GETs overlap the parsing of this one.
     Only the current and previous blocks are kept."""
 
-    def __init__(self, url: str, *, block: int = fs.BLOCK_BYTES, ahead: int = fs.READ_AHEAD, stop: int | None = None,
+    def __init__(self, url: str, *, block: int = stores.BLOCK_BYTES, ahead: int = stores.READ_AHEAD, stop: int | None = None,
                  first: Version | None = None):
         self.url = url
-        self._fs, self._path = fs.filesystem(url)
+        self._fs, self._path = stores.filesystem(url)
         self._file = None  # the store's own file object, when its ranged reads can be pinned (s3fs: If-Match)
         try:
             if first is None:  # the version there now, not one a listing cached earlier
                 self._fs.invalidate_cache(self._path)
             opened = self._fs.open(self._path, "rb", block_size=block, cache_type="none")
         except Exception as err:
-            raise fs.remote_error(err, url) from None
+            raise stores.remote_error(err, url) from None
         if type(opened).__module__.startswith("s3fs") and hasattr(opened, "_fetch_range") and \
                 "ETag" in (opened.details or {}):  # its GETs carry If-Match: <that ETag>
             self._file, now = opened, from_info(opened.details)
@@ -247,7 +240,7 @@ class RangeFile(io.RawIOBase):
         except Exception as err:
             if is_expired(err) or isinstance(err, FileNotFoundError):
                 raise changed(self.url, self.version) from None
-            raise fs.remote_error(err, self.url) from None
+            raise stores.remote_error(err, self.url) from None
         now = version(self.url, fresh=True)  # no pinned read here: the version is looked up again
         if not now.same(self.version):
             raise changed(self.url, self.version, now)
@@ -266,7 +259,7 @@ class RangeFile(io.RawIOBase):
             raise
         except Exception as err:
             self._blocks.pop(i, None)
-            raise fs.remote_error(err, self.url) from None
+            raise stores.remote_error(err, self.url) from None
         if len(data) != min(self._block, self._size - i * self._block):  # a shorter object answered
             raise changed(self.url, self.version)
         return data

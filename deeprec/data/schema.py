@@ -178,7 +178,6 @@ def parse_numbers(col, column: "Column"):
     clean = pc.utf8_trim_whitespace(clean)
     if not integer:
         return pc.cast(clean, pa.float32()), ok, bad
-    clean = pc.replace_substring_regex(clean, r"^\+", "")  # +7 is 7, as it is for a dense value
     try:
         return pc.cast(clean, pa.int64()), ok, bad
     except pa.ArrowInvalid:  # an integer beyond int64: a bad value like any other, the rest kept

@@ -10,7 +10,7 @@ import warnings
 import torch
 
 from deeprec.serving import CompiledFallbackWarning, ServedModel
-from deeprec.serving.export import example_batch
+from deeprec.serving.example import example_batch
 
 
 def check(export_dir: str, device: str) -> None:

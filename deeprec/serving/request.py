@@ -188,6 +188,8 @@ def _parse_text(c, raw: pa.Array, values, path: str, integer: bool, rows=None) -
             i = _first_failing(raw, lambda part: pc.cast(part, pa.string()))
             raise _not_parsed(c, values[i], path, i if rows is None else rows[i], integer) from None
     clean = pc.if_else(pc.is_in(text, options=_MISSING_LOOKUP), _NULL_TEXT, text)
+    if integer:  # "+3" is 3, as the reader reads it
+        clean = pc.replace_substring_regex(clean, r"^([ \t]*)\+", r"\1")
     try:
         return pc.cast(clean, target)
     except pa.ArrowInvalid:  # spaces or tabs around a number (trimmed only then: a call saved), or not a number

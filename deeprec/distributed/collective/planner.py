@@ -79,10 +79,18 @@ def plan_lookup(lookup: nn.Module, world: int) -> list[TablePlan]:
                        sum(lookup.dim if per_element else 1 for _, per_element in specs.values()))
 
 
+def free_variables(model: nn.Module) -> list:
+    """`model`'s free EmbeddingVariables (not an EmbeddingCollection's tables), each once."""
+    from deeprec.nn.collection import EmbeddingCollection
+    from deeprec.nn.variable import EmbeddingVariable
+
+    tables = {id(ev) for c in model.modules() if isinstance(c, EmbeddingCollection) for ev in c.modules()}
+    return [m for m in model.modules() if isinstance(m, EmbeddingVariable) and id(m) not in tables]
+
+
 def plan_model(model: nn.Module, world: int) -> list[str]:
     """explain()'s lines for `model`'s EmbeddingCollections and free EmbeddingVariables sharded over
     `world` ranks."""
-    from deeprec.distributed.collective.variables import free_variables
     from deeprec.nn.collection import EmbeddingCollection
     from deeprec.nn.shared import module_paths
 

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from deeprec.distributed.collective.planner import free_variables
 from deeprec.distributed.collective.sharded import ShardedLookup
 from deeprec.errors import ConfigError
 from deeprec.nn.variable import EmbeddingVariable
@@ -85,14 +86,6 @@ class ShardedVariable(ShardedLookup):
         return f"{self.variable.extra_repr()}, rank {self.rank} of {self.world}"
 
 
-def free_variables(model: nn.Module) -> list[EmbeddingVariable]:
-    """`model`'s free EmbeddingVariables (not an EmbeddingCollection's tables), each once."""
-    from deeprec.nn.collection import EmbeddingCollection
-
-    tables = {id(ev) for c in model.modules() if isinstance(c, EmbeddingCollection) for ev in c.modules()}
-    return [m for m in model.modules() if isinstance(m, EmbeddingVariable) and id(m) not in tables]
-
-
 def shard_variables(model: nn.Module, group=None) -> int:
     """Swap every free EmbeddingVariable of `model` (not an EmbeddingCollection's table) for this
     rank's ShardedVariable, wherever it is registered; returns how many variables."""
@@ -104,4 +97,4 @@ def shard_variables(model: nn.Module, group=None) -> int:
     return len(free)
 
 
-__all__ = ["ShardedVariable", "free_variables", "shard_variables"]
+__all__ = ["ShardedVariable", "shard_variables"]
