@@ -60,7 +60,7 @@ def test_local_training_with_smart_stage_resumes_exactly_exports_and_serves(tmp_
     a = load_checkpoint(latest_checkpoint(str(tmp_path / "run")))["model"]
     b = load_checkpoint(latest_checkpoint(str(tmp_path / "straight")))["model"]
     torch.testing.assert_close(a, b, rtol=0, atol=0)  # exactly
-    assert torch.equal(a["evs.C1.keys"], a["evs.C2.keys"]) and torch.equal(a["evs.C1.values"], a["evs.C2.values"])
+    assert "evs.C1.keys" in a and not any(k.startswith("evs.C2.") for k in a)  # the shared variable saved once
     out, want, _ = export_scores_as_evaluate(tmp_path / "run", tmp_path, compile=True)
     schema = resolve_schema([sample_path()], None)
     scores = _serve_one(out, _json_rows(sample_path(), schema, 3), tmp_path)  # the compiled package, over HTTP
