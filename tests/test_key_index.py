@@ -2,6 +2,7 @@
 import copy
 import pickle
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -95,3 +96,47 @@ def test_the_table_grows_past_half_full_and_copies_travel_with_it():
     index.remove(keys[::2])
     assert torch.equal(index.lookup(keys[1::2]), torch.arange(1, 50_000, 2))
     assert bool((index.lookup(keys[::2]) == -1).all())
+
+
+def _held(index: KeyIndex) -> dict:
+    ns, keys, rows = index.items()
+    return dict(zip(zip(ns.tolist(), keys.tolist()), rows.tolist()))
+
+
+@pytest.mark.parametrize("most", [0, 5000])  # a table grown by copying, and one grown in its reserved space
+def test_growing_in_place_keeps_every_entry_clusters_wrapping_around_the_end_too(most):
+    wrapped = 0
+    for seed in range(60):
+        g = torch.Generator().manual_seed(seed)
+        index = KeyIndex(4, most=most)  # 16 slots, filled to half: clusters often wrap past the last slot
+        n = 8
+        ns, keys = torch.randint(0, 3, (n,), generator=g), torch.randint(0, 1 << 62, (n,), generator=g)
+        index.assign(keys, torch.arange(n), ns=ns)
+        assert index.slots == 16
+        wrapped += bool(index.table[-1] >= 0) and bool(index.table[1] >= 0)  # the last and the first slot held
+        before = _held(index)
+        index.reserve(1 + seed * 30)  # grows 2x, 4x ... 512x
+        assert index.slots > 16 and _held(index) == before
+        assert torch.equal(index.lookup(keys, ns=ns), torch.arange(n))
+        more = torch.randint(0, 1 << 62, (40,), generator=g)  # inserts and removals go on as before
+        index.assign(more, torch.arange(n, n + 40))
+        assert index.remove(keys[::2], ns=ns[::2].contiguous()) == n // 2
+        assert torch.equal(index.lookup(more), torch.arange(n, n + 40))
+        assert torch.equal(index.lookup(keys[1::2], ns=ns[1::2].contiguous()), torch.arange(1, n, 2))
+    assert wrapped >= 5  # the case the growth takes apart was met
+
+
+def test_a_reserved_index_grows_in_its_own_space_and_its_copies_hold_only_the_table():
+    index = KeyIndex(4, most=100_000)
+    start = index.table.data_ptr()
+    keys = torch.randperm(30_000) * 7919
+    index.assign(keys, torch.arange(30_000))
+    assert index.table.data_ptr() == start and index.slots == 65536  # grown in place, never copied
+    blob = pickle.dumps(index)
+    assert len(blob) < 3 * index.nbytes()  # not the address space reserved for 100k entries
+    for copied in (copy.deepcopy(index), pickle.loads(blob)):
+        assert torch.equal(copied.lookup(keys), torch.arange(30_000))
+        copied.assign(torch.tensor([-5]), torch.tensor([7]))  # a copy grows on its own
+        assert copied.lookup(torch.tensor([-5])).tolist() == [7] and index.lookup(torch.tensor([-5])).tolist() == [-1]
+    index.reserve(200_000)  # past its reserved space: grows into a new tensor
+    assert index.slots == 524288 and torch.equal(index.lookup(keys), torch.arange(30_000))

@@ -189,3 +189,67 @@ def test_push_pull_and_sync_pushes_take_the_rows_their_pulls_found():
         s.pull_run(plan)
     assert lookups == [True, True]  # the pull's, not the push's
     _same(fast, slow)
+
+
+@pytest.mark.parametrize("num_shards", [1, 3])
+def test_request_ns_equals_the_torch_checks_it_replaces(num_shards):
+    g = torch.Generator().manual_seed(num_shards)
+    for trial in range(50):
+        counts = torch.randint(0, 6, (4,), generator=g)
+        keys = torch.randint(-3 if trial % 3 == 0 else 0, 5000, (int(counts.sum()),), generator=g)
+        if trial % 5 == 1:
+            counts[1] += 1  # not the keys' number
+        if trial % 7 == 2:
+            counts[0] = -1
+        ids = torch.randint(0, 9, (4,), generator=g)
+        ns, status = torch.ops.deeprec.ps_request_ns(keys, counts, ids, num_shards, 1 % num_shards, 1000)
+        fits, negative, wrong = status.tolist()
+        assert fits == (bool((counts >= 0).all()) and int(counts.sum()) == keys.numel())
+        if not fits:
+            continue
+        assert torch.equal(ns, torch.repeat_interleave(ids, counts))
+        bad = torch.nonzero(keys < 0).squeeze(1)
+        assert negative == (int(bad[0]) if bad.numel() else -1)
+        other = torch.nonzero(torch.remainder(torch.remainder(keys, 1000), num_shards) != 1 % num_shards).squeeze(1)
+        assert wrong == (int(other[0]) if negative < 0 and other.numel() else -1)
+
+
+def test_finite_prefix_ends_at_the_first_nan_or_inf_of_every_float_dtype():
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        for n in (0, 1, 17, 40_000):
+            t = torch.randn(n, generator=g).to(dtype) * 1e3
+            assert torch.ops.deeprec.ps_finite_prefix(t) == n
+            for bad in (float("nan"), float("inf"), -float("inf")):
+                if not n:
+                    continue
+                at = sorted(torch.randint(0, n, (2,), generator=g).tolist())
+                u = t.clone()
+                u[at[1]] = bad
+                u[at[0]] = bad
+                assert torch.ops.deeprec.ps_finite_prefix(u) == at[0]
+                assert torch.ops.deeprec.ps_finite_prefix(torch.stack([u, u], 1)[:, 0]) == at[0]  # not contiguous
+    assert torch.ops.deeprec.ps_finite_prefix(torch.tensor([torch.finfo(torch.float32).max, 0.0])) == 2
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", "adamasync", "ftrl", "sgd", "adam"])
+def test_an_arena_step_equals_the_optimizer_update_then_the_version_stamp(optimizer):
+    g = torch.Generator().manual_seed(4)
+    arenas = [EmbeddingArena(6, sparse.row_sparse_optimizer(optimizer, 0.1), capacity=8) for _ in range(2)]
+    for arena in arenas:
+        arena.add("v", torch.randn(5, 6, generator=torch.Generator().manual_seed(0)))
+        arena.rows(torch.zeros(300, dtype=torch.int64), torch.arange(300), insert=True)
+    fused, composed = arenas
+    for step in range(3):
+        rows = torch.cat([torch.randperm(300, generator=g)[:100], torch.tensor([-1])])
+        grad = torch.randn(101, 6, generator=g)
+        fused.apply(rows, grad, repeated=False)
+        known = rows >= 0  # the torch composition the arena ran before (csrc/sparse_optim.cpp's ev_apply_ now)
+        composed.optimizer.begin_step()
+        composed.optimizer.update(composed.weight, composed.slots, rows[known], grad[known])
+        composed.version[rows[known]] = composed.optimizer.step_count
+        size = fused.size
+        assert torch.equal(fused.weight[:size], composed.weight[:size])
+        assert torch.equal(fused.version[:size], composed.version[:size])
+        for name in fused.slots:
+            assert torch.equal(fused.slots[name][:size], composed.slots[name][:size]), name

@@ -21,7 +21,10 @@
 //     freqs[i]   (unless empty) += counts[i] (empty: 1) at each position's row
 //   key_index_assign(table, ns, keys, rows) -> new entries     key -> row, inserted or overwritten
 //   key_index_remove(table, ns, keys) -> removed entries
-//   key_index_rehash(old_table, new_table)                      every entry of old into new (empty)
+//   key_index_grow(table, old_slots)     in place: the table's first 2 * old_slots entries hold a table
+//                                        of old_slots slots; it becomes one of all its slots (a power-of-
+//                                        two multiple), the new part's pages touched for the first time
+//                                        (an index in reserved address space grows without a copy)
 //   key_index_entries(table) -> (ns, keys, rows)                every entry, in slot order
 // An empty ns tensor means namespace 0 for every key.
 #include "key_index.h"
@@ -63,8 +66,9 @@ Part find_part(const at::Tensor& table_t, const at::Tensor& row_keys_t, const at
     out.inverse = at::empty({0}, keys.options());
   }
   std::vector<int64_t> fresh;
-  std::vector<std::pair<int64_t, int64_t>> met;  // (slot, its tag once the call ends)
+  std::vector<std::pair<int64_t, int64_t>> met;  // (slot, its tag once the call ends) of the held rows met
   met.reserve(n);
+  const int64_t first = size;  // the rows this call creates: first, first + 1, ...
   int64_t places = 0;
   int64_t home[kAhead];
   for (int64_t i = 0; i < std::min(n, kAhead); ++i) {
@@ -81,13 +85,22 @@ Part find_part(const at::Tensor& table_t, const at::Tensor& row_keys_t, const at
     const int64_t slot = table.probe(start, ns, key);
     int64_t& tag = table.slots[2 * slot + 1];
     int64_t row = -1, place = i;
-    if (tag >= 0 && (tag & kSeen)) {  // met earlier in this call
+    if (tag >= 0 && (tag & kSeen)) {  // a held row met earlier in this call
       ++out.repeated;
       if (dedup) {
         place = tag & kRowMask;
         row = rows[place];
       } else {
         row = rows[i] = tag & kRowMask;
+      }
+    } else if (tag >= 0 && insert && (tag & kRowMask) >= first && (tag & kRowMask) < size) {
+      // a row this call created (rows first, first + 1, ... are new): a repeat, known without marking it
+      ++out.repeated;
+      row = tag & kRowMask;
+      if (dedup) {
+        place = fresh[row - first];
+      } else {
+        rows[i] = row;
       }
     } else {
       bool created = false;
@@ -102,10 +115,10 @@ Part find_part(const at::Tensor& table_t, const at::Tensor& row_keys_t, const at
         created = true;
       }
       if (dedup) place = places++;
-      if (row >= 0) {  // marked met until the call ends (dedup: the row field holds the place)
+      if (row >= 0 && !created) {  // marked met until the call ends (dedup: the row field holds the place)
         met.emplace_back(slot, tag);
         tag = kSeen | (ns << kRowBits) | (dedup ? place : row);
-      } else {
+      } else if (row < 0) {
         ++out.missing;
       }
       rows[place] = row;
@@ -205,17 +218,39 @@ int64_t key_index_remove(at::Tensor& table_t, const at::Tensor& ns_t, const at::
   return removed;
 }
 
-void key_index_rehash(const at::Tensor& old_t, at::Tensor& new_t) {
-  Table from(old_t), to(new_t);
-  new_t.fill_(-1);
-  for (int64_t slot = 0; slot <= from.mask; ++slot) {
-    const int64_t tag = from.slots[2 * slot + 1];
-    if (tag < 0) continue;
-    const int64_t key = from.slots[2 * slot];
-    const int64_t target = to.probe(to.home(tag_ns(tag), key), tag_ns(tag), key);
-    to.slots[2 * target] = key;
-    to.slots[2 * target + 1] = tag;
+void key_index_grow(at::Tensor& table_t, int64_t old_slots) {
+  Table table(table_t);
+  const int64_t slots = table.mask + 1;
+  TORCH_CHECK(old_slots > 0 && (old_slots & (old_slots - 1)) == 0 && old_slots <= slots,
+              "key_index_grow: the old table's slots must be a power of two, at most the table's ", slots, ", got ",
+              old_slots);
+  int64_t* s = table.slots;
+  std::fill(s + 2 * old_slots, s + 2 * slots, int64_t{-1});
+  // An entry's new home is its old one plus a multiple of old_slots. Taken in slot order, each is
+  // moved from its slot to the first free one from its new home: one at its old home's side lands
+  // in slots already taken in order (at the latest in its own, just freed), one past old_slots in
+  // the new part, where nothing is taken out again; so no entry is ever cut off from its home.
+  // Only the entries of a cluster that wrapped around the old table's end break the order: those
+  // before its first free slot are taken out first and put back last.
+  std::vector<std::pair<int64_t, int64_t>> wrapped;  // (key, tag)
+  int64_t first_free = 0;
+  for (; first_free < old_slots && s[2 * first_free + 1] >= 0; ++first_free) {
+    wrapped.emplace_back(s[2 * first_free], s[2 * first_free + 1]);
+    s[2 * first_free + 1] = -1;
   }
+  auto put_back = [&](int64_t key, int64_t tag) {
+    const int64_t ns = tag_ns(tag);
+    const int64_t slot = table.probe(table.home(ns, key), ns, key);
+    s[2 * slot] = key;
+    s[2 * slot + 1] = tag;
+  };
+  for (int64_t slot = first_free; slot < old_slots; ++slot) {
+    const int64_t tag = s[2 * slot + 1];
+    if (tag < 0) continue;
+    s[2 * slot + 1] = -1;
+    put_back(s[2 * slot], tag);
+  }
+  for (const auto& [key, tag] : wrapped) put_back(key, tag);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> key_index_entries(const at::Tensor& table_t) {
@@ -243,7 +278,7 @@ TORCH_LIBRARY_FRAGMENT(deeprec, m) {
         "Tensor[] counts, int[] sizes, bool insert, bool dedup) -> (Tensor[], Tensor[], Tensor[], Tensor)");
   m.def("key_index_assign(Tensor(a!) table, Tensor ns, Tensor keys, Tensor rows) -> int");
   m.def("key_index_remove(Tensor(a!) table, Tensor ns, Tensor keys) -> int");
-  m.def("key_index_rehash(Tensor old_table, Tensor(a!) new_table) -> ()");
+  m.def("key_index_grow(Tensor(a!) table, int old_slots) -> ()");
   m.def("key_index_entries(Tensor table) -> (Tensor, Tensor, Tensor)");
 }
 
@@ -251,7 +286,7 @@ TORCH_LIBRARY_IMPL(deeprec, CPU, m) {
   m.impl("key_index_find", key_index_find);
   m.impl("key_index_assign", key_index_assign);
   m.impl("key_index_remove", key_index_remove);
-  m.impl("key_index_rehash", key_index_rehash);
+  m.impl("key_index_grow", key_index_grow);
   m.impl("key_index_entries", key_index_entries);
 }
 

@@ -10,10 +10,20 @@
 //   ps_gather_rows(weight, rows, out) -> ()
 //     out[i] = weight[rows[i]], zeros where rows[i] < 0; rows are prefetched ahead so that
 //     the cache misses of a gather from a large arena overlap
+//   ps_request_ns(keys, counts, ids, num_shards, shard, partition_mod) -> (ns, status)
+//     a request's keys checked in one pass (deeprec/distributed/ps/state.py, _rows_request):
+//     ns = ids[v] repeated counts[v] times (each key's variable id); status int64 [3] =
+//     (1 if every count is >= 0 and they sum to the keys, else 0 (ns then empty); the first
+//     negative key's position or -1; the first position of a key another shard owns, key mod
+//     partition_mod mod num_shards != shard, or -1)
+//   ps_finite_prefix(t) -> int
+//     how many of t's elements (flat) come before its first nan or inf: t.numel() if it has
+//     none (a float32 tensor: one vectorized pass over its bits)
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -125,6 +135,76 @@ void ps_gather_rows(const at::Tensor& weight, const at::Tensor& rows, const at::
   }
 }
 
+std::tuple<at::Tensor, at::Tensor> ps_request_ns(const at::Tensor& keys, const at::Tensor& counts,
+                                                 const at::Tensor& ids, int64_t num_shards, int64_t shard,
+                                                 int64_t partition_mod) {
+  const char* op = "ps_request_ns";
+  check(longs(keys) && longs(counts) && longs(ids), op, "keys, counts and ids must be contiguous 1-D int64 CPU tensors");
+  check(counts.numel() == ids.numel(), op, "ids must give one id per count");
+  check(num_shards >= 1 && shard >= 0 && shard < num_shards && partition_mod >= 1, op,
+        "shard must be in [0, num_shards) and partition_mod >= 1");
+  at::Tensor status = at::empty({3}, keys.options());
+  int64_t* st = status.data_ptr<int64_t>();
+  const int64_t n = keys.numel(), vars = counts.numel();
+  const int64_t* c = counts.data_ptr<int64_t>();
+  int64_t total = 0;
+  bool fits = true;
+  for (int64_t v = 0; v < vars && fits; ++v) {
+    fits = c[v] >= 0 && c[v] <= n - total;
+    total += fits ? c[v] : 0;
+  }
+  st[0] = fits && total == n;
+  st[1] = st[2] = -1;
+  if (!st[0]) return {at::empty({0}, keys.options()), status};
+  at::Tensor ns = at::empty({n}, keys.options());
+  int64_t* out = ns.data_ptr<int64_t>();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t v = 0, at = 0; v < vars; at += c[v], ++v) std::fill(out + at, out + at + c[v], id[v]);
+  const int64_t* k = keys.data_ptr<int64_t>();
+  int64_t low = 0;
+  for (int64_t i = 0; i < n; ++i) low = std::min(low, k[i]);  // branch-free: it vectorizes
+  if (low < 0) {
+    st[1] = std::find_if(k, k + n, [](int64_t key) { return key < 0; }) - k;
+  } else if (num_shards > 1) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (k[i] % partition_mod % num_shards != shard) {
+        st[2] = i;
+        break;
+      }
+    }
+  }
+  return {ns, status};
+}
+
+#define DEEPREC_CPU_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+
+DEEPREC_CPU_CLONES
+bool all_finite(const uint32_t* bits, int64_t n) {
+  uint32_t bad = 0;
+  for (int64_t i = 0; i < n; ++i) bad |= (bits[i] & 0x7f800000u) == 0x7f800000u;  // exponent all ones: inf, nan
+  return bad == 0;
+}
+
+int64_t ps_finite_prefix(const at::Tensor& t) {
+  check(t.device().is_cpu(), "ps_finite_prefix", "t must be a CPU tensor");
+  if (t.scalar_type() != at::kFloat || !t.is_contiguous()) {  // another float dtype: ATen's isfinite
+    const at::Tensor bad = at::logical_not(at::isfinite(t)).reshape(-1).nonzero();
+    return bad.numel() ? bad[0][0].item<int64_t>() : t.numel();
+  }
+  const int64_t n = t.numel();
+  static_assert(sizeof(float) == sizeof(uint32_t), "float32 is 4 bytes");
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(t.data_ptr<float>());
+  constexpr int64_t kChunk = 1 << 14;
+  for (int64_t at = 0; at < n; at += kChunk) {
+    const int64_t m = std::min(kChunk, n - at);
+    if (all_finite(bits + at, m)) continue;
+    for (int64_t i = at; i < at + m; ++i) {
+      if ((bits[i] & 0x7f800000u) == 0x7f800000u) return i;
+    }
+  }
+  return n;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(deeprec, m) {
@@ -132,11 +212,16 @@ TORCH_LIBRARY_FRAGMENT(deeprec, m) {
         "Tensor(c!) version, int step, Tensor(d!)[] slots, float[] slot_values, Tensor defaults, Tensor offset, "
         "Tensor count) -> ()");
   m.def("ps_gather_rows(Tensor weight, Tensor rows, Tensor(a!) out) -> ()");
+  m.def("ps_request_ns(Tensor keys, Tensor counts, Tensor ids, int num_shards, int shard, int partition_mod) "
+        "-> (Tensor, Tensor)");
+  m.def("ps_finite_prefix(Tensor t) -> int");
 }
 
 TORCH_LIBRARY_IMPL(deeprec, CPU, m) {
   m.impl("ps_init_rows", ps_init_rows);
   m.impl("ps_gather_rows", ps_gather_rows);
+  m.impl("ps_request_ns", ps_request_ns);
+  m.impl("ps_finite_prefix", ps_finite_prefix);
 }
 
 }  // namespace deeprec

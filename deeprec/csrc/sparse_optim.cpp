@@ -184,7 +184,8 @@ void sparse_adam_(at::Tensor& weight, at::Tensor& exp_avg, at::Tensor& exp_avg_s
 
 // The EmbeddingVariables' fused apply: one optimizer step over the rows of many variables (a
 // collection's, from one backward), each variable's rows then stamped with the step and marked
-// dirty (incremental checkpoints, serving deltas). grad holds every part's rows in order.
+// dirty (incremental checkpoints, serving deltas; an empty dirty tensor: no flags, as a PS
+// arena keeps none). grad holds every part's rows in order.
 //   optimizer "sgd": slots none, hyper (lr); "adagrad": (accumulator), (lr, eps);
 //   "adam": (exp_avg, exp_avg_sq[, row_step]), (lr, beta1, beta2, eps)
 void ev_apply_(c10::string_view optimizer, std::vector<at::Tensor> weights, std::vector<at::Tensor> slots,
@@ -216,17 +217,16 @@ void ev_apply_(c10::string_view optimizer, std::vector<at::Tensor> weights, std:
       sparse_adam_(weights[p], slots[k * p], slots[k * p + 1], row_step, rows[p], g, hyper[0], hyper[1], hyper[2],
                    hyper[3], step);
     }
+    const bool flags = dirty[p].numel() > 0;  // empty: no dirty flags (a PS arena's rows)
     TORCH_CHECK(versions[p].scalar_type() == at::kLong && dirty[p].scalar_type() == at::kBool &&
                     versions[p].is_contiguous() && dirty[p].is_contiguous() &&
-                    versions[p].numel() >= weights[p].size(0) && dirty[p].numel() >= weights[p].size(0),
-                "ev_apply_: version (int64) and dirty (bool) must be contiguous, one per row");
+                    versions[p].numel() >= weights[p].size(0) && (!flags || dirty[p].numel() >= weights[p].size(0)),
+                "ev_apply_: version (int64) and dirty (bool, or empty) must be contiguous, one per row");
     int64_t* version = versions[p].data_ptr<int64_t>();
-    bool* flag = dirty[p].data_ptr<bool>();
+    bool* flag = flags ? dirty[p].data_ptr<bool>() : nullptr;
     const int64_t* r = rows[p].data_ptr<int64_t>();  // checked in range by the update
-    for (int64_t i = 0; i < n; ++i) {
-      version[r[i]] = step;
-      flag[r[i]] = true;
-    }
+    for (int64_t i = 0; i < n; ++i) version[r[i]] = step;
+    for (int64_t i = 0; flag && i < n; ++i) flag[r[i]] = true;
   }
   TORCH_CHECK(offset == grad.size(0), "ev_apply_: grad has more rows than the variables' rows");
 }

@@ -13,6 +13,9 @@ runs the same find-or-insert core.
 """
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 import deeprec._C  # noqa: F401  (registers torch.ops.deeprec.key_index_*)
@@ -29,25 +32,66 @@ def slots_for(entries: int) -> int:
     return slots
 
 
+# Linux's MAP_NORESERVE (Python's mmap module names it from 3.13 on): reserve address space
+# without committing memory; a page costs RAM only once it is written
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
+
+
+def reserved_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized tensor whose memory is reserved, not committed: an anonymous
+    private mapping, so rows cost RAM only when first written. A table that grows row by
+    row in such a tensor never copies what it holds (doubling a tensor copies it, and
+    faults in the new pages anyway). Raises OSError when the address space is refused
+    (vm.overcommit_memory=2 may); callers fall back to doubling."""
+    count = math.prod(shape)
+    if not count:
+        return torch.empty(shape, dtype=dtype)
+    nbytes = count * torch.empty(0, dtype=dtype).element_size()
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+    # the tensor holds a reference to the mapping: it is unmapped with the last tensor using it
+    return torch.frombuffer(region, dtype=dtype, count=count).view(shape)
+
+
 class KeyIndex:
     """(namespace, int64 key) -> row (-1: not held). Namespaces (0 by default) let one index
-    hold the keys of several variables (the PS arena)."""
+    hold the keys of several variables (the PS arena).
 
-    def __init__(self, capacity: int = 1024):
-        self.table = torch.full((2 * slots_for(capacity),), -1, dtype=torch.int64)
+    `most`: the entries it may come to hold (the PS arena's rows within its memory budget): address
+    space for that table is reserved up front (`reserved_empty`: pages committed as the table
+    reaches them), so the table grows in place, with no copy and no second table."""
+
+    def __init__(self, capacity: int = 1024, most: int = 0):
+        self._space = None  # the reserved address space the table is a prefix of
+        if most > capacity:
+            try:
+                self._space = reserved_empty((2 * slots_for(most),), torch.int64)
+            except OSError:  # address space refused (strict overcommit): grow by copying
+                pass
+        slots = slots_for(capacity)
+        self.table = torch.empty(2 * slots, dtype=torch.int64) if self._space is None else self._space[:2 * slots]
+        self.table.fill_(-1)
         self.entries = 0
+
+    def __getstate__(self) -> dict:  # a copy holds its table, not the address space reserved for it
+        return {**self.__dict__, "_space": None, "table": self.table if self._space is None else self.table.clone()}
 
     @property
     def slots(self) -> int:
         return self.table.numel() // 2
 
     def reserve(self, n: int) -> None:
-        """Room for n more entries: the table is rehashed into twice the slots it needs when
-        it would pass half full."""
+        """Room for n more entries: the table grows to twice the slots it needs when it would
+        pass half full, in place (csrc/key_index.cpp, key_index_grow): in its reserved address
+        space, else in a new tensor that first takes a copy of it."""
         needed = self.entries + n
         if 2 * needed > self.slots:
-            bigger = torch.empty(2 * slots_for(needed), dtype=torch.int64)
-            torch.ops.deeprec.key_index_rehash(self.table, bigger)
+            size = 2 * slots_for(needed)
+            if self._space is not None and size <= self._space.numel():
+                bigger = self._space[:size]  # the table is its prefix already
+            else:
+                bigger, self._space = torch.empty(size, dtype=torch.int64), None
+                bigger[:self.table.numel()] = self.table
+            torch.ops.deeprec.key_index_grow(bigger, self.slots)
             self.table = bigger
 
     def lookup(self, keys: torch.Tensor, ns: torch.Tensor | None = None) -> torch.Tensor:

@@ -70,8 +70,8 @@ def _(table, ns, keys):
     return torch.library.get_ctx().new_dynamic_size()
 
 
-@torch.library.register_fake("deeprec::key_index_rehash")
-def _(old_table, new_table):
+@torch.library.register_fake("deeprec::key_index_grow")
+def _(table, old_slots):
     return None
 
 
@@ -110,3 +110,13 @@ def _(fresh, ns, keys, start, row_ns, weight, version, step, slots, slot_values,
 @torch.library.register_fake("deeprec::ps_gather_rows")
 def _(weight, rows, out):
     return None
+
+
+@torch.library.register_fake("deeprec::ps_request_ns")
+def _(keys, counts, ids, num_shards, shard, partition_mod):
+    return keys.new_empty(keys.shape), keys.new_empty(3)
+
+
+@torch.library.register_fake("deeprec::ps_finite_prefix")
+def _(t):
+    return torch.library.get_ctx().new_dynamic_size()

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import math
-import mmap
 import resource
 
 import torch
@@ -48,23 +46,3 @@ def tune_malloc() -> str:
 def minor_faults() -> int:
     """Minor page faults of this process so far."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-# Linux's MAP_NORESERVE (Python's mmap module names it from 3.13 on): reserve address space
-# without committing memory; a page costs RAM only once it is written
-_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
-
-
-def reserved_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized tensor whose memory is reserved, not committed: an anonymous
-    private mapping, so rows cost RAM only when first written. A table that grows row by
-    row in such a tensor never copies what it holds (doubling a tensor copies it, and
-    faults in the new pages anyway). Raises OSError when the address space is refused
-    (vm.overcommit_memory=2 may); callers fall back to doubling."""
-    count = math.prod(shape)
-    if not count:
-        return torch.empty(shape, dtype=dtype)
-    nbytes = count * torch.empty(0, dtype=dtype).element_size()
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
-    # the tensor holds a reference to the mapping: it is unmapped with the last tensor using it
-    return torch.frombuffer(region, dtype=dtype, count=count).view(shape)

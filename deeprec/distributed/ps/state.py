@@ -30,7 +30,7 @@ from deeprec.distributed.ps.store import DenseGroup, EmbeddingArena, load_bytes,
 from deeprec.distributed.ps.tiered import TieredArena
 from deeprec.distributed.ps.wire import ResourceExhausted, WireError
 from deeprec.nn.options import InitializerOption, StorageOption
-from deeprec.nn.variable import shard_of
+from deeprec.nn.variable import PARTITION_MOD, shard_of
 from deeprec.optim.sparse import row_sparse_optimizer
 
 MAX_DIM = 8192  # embedding dim a Register may ask for
@@ -172,21 +172,24 @@ class ShardState:
             raise WireError(f"'{prefix}keys' must be a 1-D int64 tensor")
         if counts is None or counts.dtype != torch.int64 or list(counts.shape) != [len(names)]:
             raise WireError(f"'{prefix}counts' must be an int64 tensor of {len(names)} (one per embedding)")
-        if bool((counts < 0).any()) or int(counts.sum()) != keys.numel():
+        held = [self.embeddings.get(n) for n in names]
+        # one pass (csrc/ps_rows.cpp): each key's variable id, the counts, keys < 0, keys of other shards
+        ns, status = torch.ops.deeprec.ps_request_ns(keys.contiguous(), counts.contiguous(),
+                                                     torch.tensor([-1 if h is None else h[1] for h in held]),
+                                                     self.num_shards, self.shard_index, PARTITION_MOD)
+        fits, negative, wrong = status.tolist()
+        if not fits:
             raise WireError(f"'{prefix}counts' must be >= 0 and sum to the {keys.numel()} keys")
-        unknown = [n for n in names if n not in self.embeddings]
-        if unknown:
-            raise WireError(f"unknown variable {unknown[0]!r} (this PS holds: {', '.join(self.names()) or 'none'})")
-        if keys.numel() and bool((keys < 0).any()):
+        if None in held:
+            unknown = names[held.index(None)]
+            raise WireError(f"unknown variable {unknown!r} (this PS holds: {', '.join(self.names()) or 'none'})")
+        if negative >= 0:
             raise WireError("keys must be >= 0")
-        wrong = (torch.nonzero(shard_of(keys, self.num_shards) != self.shard_index).squeeze(1)
-                 if self.num_shards > 1 else keys[:0])  # one PS owns every key
-        if wrong.numel():
-            var = int(torch.searchsorted(torch.cumsum(counts, 0), wrong[:1], right=True))
-            raise WireError(f"variable {names[var]!r}: key {int(keys[wrong[0]])} belongs to PS "
-                            f"{int(shard_of(keys[wrong[:1]], self.num_shards))}, not PS {self.shard_index}")
-        arenas = [self.embeddings[n][0] for n in names]
-        ns = torch.repeat_interleave(torch.tensor([self.embeddings[n][1] for n in names]), counts)
+        if wrong >= 0:
+            var = int(torch.searchsorted(torch.cumsum(counts, 0), torch.tensor([wrong]), right=True))
+            raise WireError(f"variable {names[var]!r}: key {int(keys[wrong])} belongs to PS "
+                            f"{int(shard_of(keys[wrong:wrong + 1], self.num_shards))}, not PS {self.shard_index}")
+        arenas = [arena for arena, _ in held]
         distinct = list(dict.fromkeys(arenas))
         if len(distinct) == 1:
             return [_Part(arenas[0], ns, keys, arenas[0].dim, None)]
@@ -347,7 +350,7 @@ class ShardState:
             mine = [u[1:] for u in updates if u[0] is arena]
             if len(mine) == 1 and mine[0][3] is not None:  # the rows its pull found
                 _, _, grads, (rows, repeated) = mine[0]
-                arena.apply(rows, grads, repeated > 0)
+                arena.apply(rows, grads, repeated > 0, held=True)  # a training pull's rows: all held
                 continue
             ns, keys, grads = mine[0][:3] if len(mine) == 1 else (torch.cat(part) for part in list(zip(*mine))[:3])
             rows, repeated = arena.rows(ns, keys, insert=False)
@@ -500,11 +503,8 @@ def int_field(header: dict, key: str, default: int, low: int | None = None, high
 def _check_finite(grad: torch.Tensor, name: str, what: str = "gradient",
                   outcome: str = "nothing of this push was applied") -> None:
     """A non-finite gradient (or Load value, initializer) would turn the rows it touches to nan for every worker."""
-    if not grad.numel():
-        return
-    lo, hi = torch.aminmax(grad)  # nan propagates, inf is an extreme: 16x faster than isfinite().all()
-    if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
-        bad = int(torch.nonzero(~torch.isfinite(grad.reshape(-1)))[0])
+    bad = torch.ops.deeprec.ps_finite_prefix(grad)  # one vectorized pass over the bits (csrc/ps_rows.cpp)
+    if bad < grad.numel():
         raise WireError(f"'{name}' holds a non-finite {what} ({float(grad.reshape(-1)[bad])} at element {bad}): "
                         f"{outcome}")
 

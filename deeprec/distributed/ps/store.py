@@ -7,21 +7,22 @@
 
 Rows are never moved except by `load` (which rebuilds the arena), so a row number
 stays valid between a pull and the push of the same step. The arrays are reserved for the
-shard's whole memory budget (address space, committed as rows are written), so an insert
-never copies the arena; only the index is rebuilt, when it passes half full.
+shard's whole memory budget (address space, committed as rows are written), and so is the
+key index's table, so an insert never copies the arena, and the index grows in place when it
+passes half full.
 """
 from __future__ import annotations
 
 import torch
 
 import deeprec._C  # noqa: F401  (registers torch.ops.deeprec.ps_init_rows, ps_gather_rows)
-from deeprec.nn.key_index import KeyIndex, slots_for
+from deeprec.nn.key_index import KeyIndex, reserved_empty, slots_for
 from deeprec.nn.variable import shard_of
 from deeprec.optim import sparse
 from deeprec.nn.lookup import merge_rows
-from deeprec.runtime.memory import reserved_empty
 
 _INDEX_BYTES = 32  # 2 table slots per row (kept <= half full) x 16 bytes
+_NO_FLAGS = torch.empty(0, dtype=torch.bool)  # ev_apply_'s dirty flags: an arena keeps none
 
 
 class EmbeddingArena:
@@ -42,7 +43,8 @@ class EmbeddingArena:
 
     def _allocate(self, rows: int) -> None:
         self.size = 0
-        self.index = KeyIndex(rows)
+        # the index too grows in place within the address space of the budget's rows
+        self.index = KeyIndex(rows, most=self.reserve_rows)
         if rows < self.reserve_rows:
             try:
                 return self._arrays(self.reserve_rows, reserved_empty)
@@ -119,16 +121,24 @@ class EmbeddingArena:
         torch.ops.deeprec.ps_gather_rows(self.weight, rows, out)
         return out
 
-    def apply(self, rows: torch.Tensor, grad: torch.Tensor, repeated: bool = True) -> None:
-        """One optimizer step over every variable's rows (-1 rows dropped, duplicates summed)."""
-        known = rows >= 0
-        if not bool(known.all()):
-            rows, grad = rows[known], grad[known]
+    def apply(self, rows: torch.Tensor, grad: torch.Tensor, repeated: bool = True, held: bool = False) -> None:
+        """One optimizer step over every variable's rows (-1 rows dropped, duplicates summed), each
+        row stamped with the step (its version). `held`: every row is >= 0 (a training pull's)."""
+        if not held:
+            known = rows >= 0
+            if not bool(known.all()):
+                rows, grad = rows[known], grad[known]
         if repeated:  # a row given twice (sync pushes, repeated keys): gradients summed
             rows, grad = merge_rows(rows, grad)
         self.optimizer.begin_step()
-        self.optimizer.update(self.weight, self.slots, rows, grad)
-        self.version[rows] = self.optimizer.step_count
+        fused = self.optimizer.fused()
+        if fused is None:  # an optimizer without a native kernel (FTRL)
+            self.optimizer.update(self.weight, self.slots, rows, grad)
+            self.version[rows] = self.optimizer.step_count
+            return
+        kind, slot_names, hyper = fused  # update and version stamp in one op (csrc/sparse_optim.cpp)
+        torch.ops.deeprec.ev_apply_(kind, [self.weight], [self.slots[n] for n in slot_names], [self.version],
+                                    [_NO_FLAGS], [rows], grad.contiguous(), hyper, self.optimizer.step_count)
 
     def export(self, var: int) -> dict:
         """One variable's rows with their slots (as EmbeddingVariable.export writes them)."""

@@ -17,6 +17,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "int64": torch.int64, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "bool": torch.bool}
+SIZES = {name: torch.empty(0, dtype=dtype).element_size() for name, dtype in DTYPES.items()}
 _LEN = struct.Struct("<I")
 _ALIGN = 8
 
@@ -69,26 +70,27 @@ def unpack(message: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
     base = _LEN.size + head_len
     payload_len = len(message) - base
     tensors = {}
-    for name, spec in header.get("tensors", {}).items():
-        try:
-            dtype = DTYPES[spec["dtype"]]
-            shape, off, n = [int(d) for d in spec["shape"]], int(spec["off"]), int(spec["n"])
-        except (KeyError, TypeError, ValueError, OverflowError):
-            raise WireError(f"tensor {name!r}: spec needs dtype (one of {', '.join(DTYPES)}), shape, off, n") from None
-        count = 1
-        for d in shape:  # Python ints: a huge shape cannot overflow into a small byte count
-            count *= d
-        if len(shape) > 16 or any(d < 0 for d in shape) or count * torch.empty(0, dtype=dtype).element_size() != n:
-            raise WireError(f"tensor {name!r}: shape {shape} of {spec['dtype']} is not {n} bytes")
-        if off < 0 or off + n > payload_len:
-            raise WireError(f"tensor {name!r}: bytes [{off}, {off + n}) outside the {payload_len}-byte payload")
-        if not n:
-            tensors[name] = torch.empty(shape, dtype=dtype)
-            continue
-        with warnings.catch_warnings():  # read-only views of the received bytes, by design
-            warnings.simplefilter("ignore", UserWarning)
+    with warnings.catch_warnings():  # read-only views of the received bytes, by design
+        warnings.simplefilter("ignore", UserWarning)
+        for name, spec in header.get("tensors", {}).items():
+            try:
+                dtype = DTYPES[spec["dtype"]]
+                shape, off, n = [int(d) for d in spec["shape"]], int(spec["off"]), int(spec["n"])
+            except (KeyError, TypeError, ValueError, OverflowError):
+                raise WireError(f"tensor {name!r}: spec needs dtype (one of {', '.join(DTYPES)}), shape, off, "
+                                "n") from None
+            count = 1
+            for d in shape:  # Python ints: a huge shape cannot overflow into a small byte count
+                count *= d
+            if len(shape) > 16 or any(d < 0 for d in shape) or count * SIZES[spec["dtype"]] != n:
+                raise WireError(f"tensor {name!r}: shape {shape} of {spec['dtype']} is not {n} bytes")
+            if off < 0 or off + n > payload_len:
+                raise WireError(f"tensor {name!r}: bytes [{off}, {off + n}) outside the {payload_len}-byte payload")
+            if not n:
+                tensors[name] = torch.empty(shape, dtype=dtype)
+                continue
             raw = torch.frombuffer(message, dtype=torch.uint8, count=n, offset=base + off)
-        if raw.data_ptr() % _ALIGN:  # bytes objects need not be aligned: copy rather than misread
-            raw = raw.clone()
-        tensors[name] = raw.view(dtype).reshape(shape)
+            if raw.data_ptr() % _ALIGN:  # bytes objects need not be aligned: copy rather than misread
+                raw = raw.clone()
+            tensors[name] = raw.view(dtype).reshape(shape)
     return header, tensors
