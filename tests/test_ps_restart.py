@@ -7,21 +7,14 @@ Hosts: tests/cluster.py.
 """
 import os
 import re
-import time
 
 import pytest
 
 from ps_jobs import copy_checkpoint, differences, final_state, start_ps, start_worker, write_data
+from waits import wait_until
 
 pytestmark = pytest.mark.slow
 STEPS, EVERY = 300, 100
-
-
-def _wait_file(path: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        assert time.monotonic() < deadline, f"no {path} within {timeout:.0f}s"
-        time.sleep(0.1)
 
 
 def _run(cluster, name: str, workers: int, args: list[str]) -> tuple[list, list]:
@@ -37,7 +30,8 @@ def test_a_restarted_ps_rolls_the_job_back_to_its_last_checkpoint(cluster, tmp_p
     common = ["--data", data, "--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--ps-deadline", "60",
               "--log-every", "10", *extra]
     ps, procs = _run(cluster, "job", workers, [*common, "--checkpoint-dir", ckpt])
-    _wait_file(os.path.join(ckpt, f"checkpoint-{EVERY:09d}.manifest.json"), 300)
+    first = os.path.join(ckpt, f"checkpoint-{EVERY:09d}.manifest.json")
+    wait_until(lambda: os.path.exists(first), 300, first)
     procs[0].wait_for(rf"step {EVERY + 20} loss", 300)  # some steps past the checkpoint
     ps[1].kill()
     again = start_ps(ps[1].host, 1, 2, name="job-ps1-again")
