@@ -44,7 +44,9 @@ def synthetic_files(rows: int, cardinalities: str, seed: int, console: Console,
     """Train and eval files of synthetic data, generated once into a cache folder."""
     from deeprec.data import write_behavior, write_synthetic
 
-    cache = os.environ.get("DEEPREC_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "deeprec"))
+    from deeprec.data.stores import cache_root
+
+    cache = cache_root()
     os.makedirs(cache, exist_ok=True)
     files = []
     for part, n, part_seed in (("train", rows, seed), ("eval", max(rows // 10, 1000), seed + 1_000_003)):
@@ -411,9 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
     xp.add_argument("--checkpoint", required=True, help="checkpoint file or folder (latest is used)")
     xp.add_argument("--out", required=True, help="the export folder (replaced atomically)")
     xp.add_argument("--model", help="build this model (module:attribute) instead of the one the checkpoint names")
-    xp.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+    xp.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="also write the AOTInductor-compiled program that deeprec serve runs (CPU, and CUDA where "
-                         "a GPU is present; 20-40 s each on 2 cores) (default: on)")
+                         "a GPU is present; 20-40 s each on 2 cores) (default: on, or $DEEPREC_EXPORT_COMPILE)")
     xp.set_defaults(func=cmd_export)
 
     sv = sub.add_parser("serve", help="HTTP inference server of exports: /v1/predict, TF Serving's /v1/models "

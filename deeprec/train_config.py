@@ -156,9 +156,10 @@ class ExportConfig:
     """steps between full serving exports (with --export-dir; 0: only at the end)"""
     incremental_every: int = option(0, flag="--export-incremental-every", ge=0)
     """steps between serving deltas: EmbeddingVariable rows updated since the last export, and the dense weights"""
-    compile: bool = option(True, flag="--export-compile")
+    compile: bool | None = option(None, flag="--export-compile")
     """full exports also hold the AOTInductor-compiled serving program (20-40 s of compiling each on 2 cores;
-    without it deeprec serve runs the traced program, several times slower per request)"""
+    without it deeprec serve runs the traced program, several times slower per request); default: on,
+    or $DEEPREC_EXPORT_COMPILE (0: off)"""
 
     def __post_init__(self):
         check_fields(self, ("export",))

@@ -1,5 +1,4 @@
 import contextlib
-import json
 import csv
 import subprocess
 import sys
@@ -127,7 +126,8 @@ def running_ps(*args, env=None, cwd=None):
         proc.wait(10)
 
 
-pytest_plugins = ["cluster"]  # tests/cluster.py: the `cluster` fixture (hosts in network namespaces)
+pytest_plugins = ["cluster",  # tests/cluster.py: the `cluster` fixture (hosts in network namespaces)
+                  "scheduling"]  # tests/scheduling.py: the work units of `make test`, the longest first
 
 
 # -- durations in the open ------------------------------------------------------------------------
@@ -162,20 +162,8 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_collection_modifyitems(config, items):
-    """`make test` runs `--dist loadfile` (a file's tests share module fixtures: one worker each) and
-    xdist hands out the files in collection order: here the longest first (tests/durations.json, from
-    the last measured run: see tests/durations.py), so that no long file starts last and runs alone
-    while the other workers idle. (`--dist loadgroup` would split test_docs.py by page, but
-    pytest-xdist 3.8 cannot mark groups under pytest 9: its nodeid rewrite sets an attribute pytest 9
-    no longer reads.)"""
-    from durations import DURATIONS
+    """The longest work units first (tests/scheduling.py: how `make test` hands them to its workers)."""
+    from scheduling import sort_longest_first
 
-    try:
-        with open(DURATIONS) as f:
-            seconds = json.load(f)
-    except FileNotFoundError:
-        seconds = {}
     _note_slow_reasons(items)
-    files = {item: item.module.__name__ for item in items}
-    order = {f: i for i, f in enumerate(dict.fromkeys(files.values()))}  # collection order within ties
-    items.sort(key=lambda item: (-seconds.get(files[item], 10.0), order[files[item]]))
+    sort_longest_first(items)

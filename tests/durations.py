@@ -1,25 +1,24 @@
-"""The seconds each test file took (tests/durations.json), read from a JUnit XML report:
+"""The seconds each work unit of the suite took (tests/durations.json), read from a JUnit XML report:
     .venv/bin/python -m pytest -n auto --dist loadfile --junitxml=run.xml && python tests/durations.py run.xml
 
-conftest.py hands xdist the files longest first (a long file started last would run alone at the end
-while the other workers idle).
+tests/scheduling.py hands the workers the units longest first (a long unit started last would run
+alone at the end while the other workers idle).
 """
 from __future__ import annotations
 
 import collections
 import json
-import os
 import sys
 import xml.etree.ElementTree as ElementTree
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-DURATIONS = os.path.join(HERE, "durations.json")
+from scheduling import DURATIONS, scope_of
 
 
 def main(report: str) -> None:
     seconds: collections.Counter = collections.Counter()
     for case in ElementTree.parse(report).iter("testcase"):
-        seconds[case.get("classname", "").rpartition(".")[2]] += float(case.get("time", 0))
+        module = case.get("classname", "").split(".")[1]  # tests.test_docs[.Class]
+        seconds[scope_of(module, case.get("name", ""))] += float(case.get("time", 0))
     with open(DURATIONS, "w") as f:
         json.dump({k: round(v, 1) for k, v in seconds.most_common()}, f, indent=0)
         f.write("\n")

@@ -9,7 +9,9 @@ temporary working folder (and so does the README's Python example).
   synth`), `behavior.tsv`, `my_clicks.csv`, the files of the pages' ```toml blocks whose first line
   is `# name.toml`, `examples/`, and `deeprec/` (a link to the package: the bundled samples are
   `deeprec/data/samples/`, as in the repository root).
-  `DEEPREC_CACHE` points into the temporary folder.
+  `DEEPREC_CACHE` points into the temporary folder; `DEEPREC_EXPORT_COMPILE=0`: exports hold the
+  traced program only (the compiled packages of the zoo and of an own model are
+  tests/test_serving_compiled.py's and tests/test_own_model.py's; one costs 20-60 s).
 - Sizes: `--synthetic N` runs with at most 20,000 rows and `deeprec data synth --rows N` with at
   most 2,000; nothing else is changed.
 - `deeprec serve ...` is started on a free port (`--port 0`); the test waits for its
@@ -160,7 +162,7 @@ def workspace(tmp_path_factory):
     for name, text in TOML_FILES.items():
         with open(os.path.join(base, name), "w") as f:
             f.write(text)
-    env = dict(os.environ, DEEPREC_CACHE=os.path.join(root, "cache"),
+    env = dict(os.environ, DEEPREC_CACHE=os.path.join(root, "cache"), DEEPREC_EXPORT_COMPILE="0",
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     return Workspace(root, env)
 

@@ -125,7 +125,8 @@ def test_own_model_trains_on_a_ps_job_and_its_checkpoint_evaluates_exports_and_s
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert "parameter-server job" in evaluated.stderr.replace("\n", " ")
     metrics = json.loads(evaluated.stdout.strip().splitlines()[-1])
-    exported = deeprec("export", "--checkpoint", str(ck), "--out", str(tmp_path / "exp"), cwd=tmp_path)
+    # the traced program (the own model's compiled one: test_own_model_file_trains_exports_and_serves)
+    exported = deeprec("export", "--checkpoint", str(ck), "--out", str(tmp_path / "exp"), "--no-compile", cwd=tmp_path)
     assert exported.returncode == 0, exported.stderr[-3000:]
     # the export scores as the merged checkpoint does: its log loss over the sample equals evaluate's
     from deeprec.strategies import model_from_checkpoint
@@ -201,7 +202,8 @@ def test_own_model_with_tiered_storage_serves_its_exports_and_deltas_while_train
 
     cfg = TrainConfig.create(model=SPEC, data=[sample], steps=9, batch_size=16, progress=False, storage="ssd",
                       dram_bytes=26 * 20_000, storage_path=str(tmp_path / "disk"), checkpoint_dir=str(tmp_path / "ck"),
-                      export_dir=str(tmp_path / "live"), export_every=6, export_incremental_every=3)
+                      export_dir=str(tmp_path / "live"), export_every=6, export_incremental_every=3,
+                      export_compile=False)
     result = Trainer(cfg).train()
     assert result["tiers"]["variables"] == 26 and result["tiers"]["disk_rows"] > 0  # the budget pushed rows to disk
     names = sorted(os.listdir(tmp_path / "live"))
@@ -222,7 +224,7 @@ def test_own_model_on_a_ps_job_exports_while_training(tmp_path, sample):
     done = deeprec("launch", "--ps", "1", "--workers", "1", "--", "train", "--model", SPEC, "--data", sample,
                    "--steps", "9", "--batch-size", "16", "--checkpoint-dir", str(tmp_path / "ck"),
                    "--export-dir", str(tmp_path / "live"), "--export-every", "6", "--export-incremental-every", "3",
-                   cwd=tmp_path, timeout=600)
+                   "--no-export-compile", cwd=tmp_path, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     names = sorted(os.listdir(tmp_path / "live"))
     assert "full-000000006" in names and "delta-000000009.json" in names

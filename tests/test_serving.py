@@ -54,14 +54,16 @@ def _dlrm_export(folder, rows: int = 16) -> tuple[str, list]:
 
 
 def _din_export(folder) -> str:
-    """A DIN (int ids, sequences of int ids) trained 3 steps on synthetic behaviour data, exported into `folder`."""
+    """A DIN (int ids, sequences of int ids) trained 3 steps on synthetic behaviour data, exported into `folder`
+    as its traced program (the tests of request handling; DIN's package: test_serving_compiled)."""
     from deeprec.data.synth_behavior import write_behavior
 
     data = str(folder / "behavior.tsv")
     write_behavior(data, 400, users=50, items=200, categories=10, max_length=8, progress=False)
     trainer = Trainer(TrainConfig.create(model="din", data=[data], steps=3, batch_size=64, progress=False))
     trainer.train()
-    return dr.export(trainer.model, str(folder / "export"), schema=trainer.schema, model_name="din", step=3)
+    return dr.export(trainer.model, str(folder / "export"), schema=trainer.schema, model_name="din", step=3,
+                     compile=False)
 
 
 def _json_rows(path, schema, n):

@@ -41,7 +41,8 @@ def mmoe(tmp_path_factory):
     """A multi-task MMoE (labels finish, like) and its rows."""
     tmp = tmp_path_factory.mktemp("proto-mmoe")
     trainer, data = _trained("mmoe", "table", tmp)
-    path = dr.export(trainer.model, str(tmp / "export"), schema=trainer.schema, model_name="mmoe", step=3)
+    path = dr.export(trainer.model, str(tmp / "export"), schema=trainer.schema, model_name="mmoe", step=3,
+                     compile=False)  # request handling; MMoE's package: test_serving_compiled
     rows = {c.name: [0.5, None, 3.0, 12.0, 0.0, 7.5] if c.kind == "dense" else [str(i * 13) for i in range(6)]
             for c in trainer.schema.columns if c.kind not in ("label", "ignore")}
     return path, rows

@@ -30,6 +30,12 @@ _SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID"
                "OSS_ACCESS_KEY_SECRET", "OSS_ACCESS_KEY_ID")
 
 
+def cache_root() -> str:
+    """The folder of what deeprec keeps between runs (synthetic data, compiled serving packages):
+    $DEEPREC_CACHE, default ~/.cache/deeprec."""
+    return os.environ.get("DEEPREC_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "deeprec"))
+
+
 def is_hidden(name: str) -> bool:
     """A file or folder name that holds no data: Hadoop's, Hive's and Spark's temporary and marker
     files (`_SUCCESS`, `_temporary`, `.part-0.crc`) start with `_` or `.`."""

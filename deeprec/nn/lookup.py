@@ -22,7 +22,6 @@ from typing import Sequence
 
 import torch
 from torch import nn
-from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from deeprec.ops.graph_op import op
 
@@ -160,8 +159,12 @@ def assemble(rows: torch.Tensor, inverse, offsets, weights, masks: Sequence[torc
         # one row; an exported program, whose sizes are symbols, takes the general path). As many ids as
         # bags is not enough (a bag of two and an empty one): every bag's length is checked too, in eager
         # and on the CPU only (on a GPU the check would wait for the device on every forward)
-        one_each = (guard_or_false(bag_inverse.numel() == end) and not torch.compiler.is_compiling()
-                    and bag_offsets.device.type == "cpu")
+        one_each = bag_inverse.numel() == end
+        if not isinstance(one_each, bool):  # a SymBool while tracing (sympy: imported only then)
+            from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+            one_each = guard_or_false(one_each)
+        one_each = one_each and not torch.compiler.is_compiling() and bag_offsets.device.type == "cpu"
         if one_each and bag_offsets.numel() > 1:
             one_each = bool((bag_offsets[1:] - bag_offsets[:-1]).eq(1).all())
         if one_each:

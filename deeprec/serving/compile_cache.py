@@ -7,6 +7,10 @@ for serving (serving.compiled binds the export's own tensors).
                                                                      └absent──> compiled, verified in a
                                                                                 child, then stored here
 
+An export holds the key's lock (claimed: <key>.lock, flock) from the lookup to the store, so that a
+second export of the same program at the same time (another process: a re-export while training
+exports, test workers) waits for the first one's package instead of compiling it too.
+
 The key is what the package depends on: the graph's code, every node's shape, dtype and stride, the
 shapes of the weights (and the values of the small ones, which inductor may fold in), torch, the
 deeprec ops' library, inductor's options and this CPU's flags. Only a package that passed the
@@ -15,6 +19,8 @@ MAX_ENTRIES are kept.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
@@ -28,8 +34,25 @@ _SMALL = 64  # weights of at most this many values enter the key by value (a fol
 
 
 def cache_folder() -> str:
-    root = os.environ.get("DEEPREC_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "deeprec"))
-    return os.path.join(root, "compiled")
+    from deeprec.data.stores import cache_root
+
+    return os.path.join(cache_root(), "compiled")
+
+
+COMPILE_VARIABLE = "DEEPREC_EXPORT_COMPILE"
+_SWITCH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def compile_by_default() -> bool:
+    """Whether an export compiles where no call says (`compile=None`, no --compile/--no-compile,
+    no --export-compile/--no-export-compile): on, unless DEEPREC_EXPORT_COMPILE=0 (a development loop,
+    a test suite, a job whose exports are served elsewhere)."""
+    value = os.environ.get(COMPILE_VARIABLE, "1").strip().lower()
+    if value not in _SWITCH:
+        from deeprec.errors import ConfigError
+
+        raise ConfigError(f"{COMPILE_VARIABLE}={value!r}: expected one of 1, 0, true, false, yes, no, on, off")
+    return _SWITCH[value]
 
 
 @functools.lru_cache(maxsize=1)
@@ -71,6 +94,24 @@ def program_key(program: torch.export.ExportedProgram, device: str, options: dic
     return h.hexdigest()[:40]
 
 
+@contextlib.contextmanager
+def claimed(key: str):
+    """The lock of `key` for the block (blocking while another process holds it). A cache folder that
+    cannot be written: no lock (the export compiles, as without a cache)."""
+    try:
+        os.makedirs(cache_folder(), exist_ok=True)
+        fd = os.open(os.path.join(cache_folder(), f"{key}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        fd = None
+    try:
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+
 def fetch(key: str, path: str) -> bool:
     """Copies the package stored under `key` to `path`; False if there is none."""
     stored = os.path.join(cache_folder(), f"{key}.pt2")
@@ -94,5 +135,7 @@ def store(key: str, path: str) -> None:
         entries = sorted((e for e in os.scandir(folder) if e.name.endswith(".pt2")), key=lambda e: e.stat().st_mtime)
         for old in entries[:-MAX_ENTRIES]:
             os.unlink(old.path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(old.path[: -len(".pt2")] + ".lock")
     except OSError:
         pass

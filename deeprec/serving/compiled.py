@@ -17,6 +17,7 @@ fit in it; one that outgrows it sends scoring back to the ExportedProgram until 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -44,13 +45,16 @@ def package_name(device: str) -> str:
     return f"program.{device}.pt2"
 
 
-def compile_package(program: torch.export.ExportedProgram, path: str, device: str = "cpu") -> str | None:
+def compile_package(program: torch.export.ExportedProgram, path: str, device: str,
+                    held: contextlib.ExitStack) -> str | None:
     """Compile `program` (an ExportedProgram on `device`) into an AOTInductor package at `path`, or
     copy the package of the same program from the cache (serving.compile_cache). The cache key when
-    it was compiled here (the caller stores it once the package passed its check), None if copied."""
+    it was compiled here (the caller stores it once the package passed its check), None if copied.
+    The key's lock is entered into `held`: the caller keeps it until the package is stored."""
     from deeprec.serving import compile_cache
 
     key = compile_cache.program_key(program, device, _COMPILE_OPTIONS, cpu_flags())
+    held.enter_context(compile_cache.claimed(key))
     if compile_cache.fetch(key, path):
         return None
     torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=_COMPILE_OPTIONS)

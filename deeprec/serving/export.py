@@ -17,6 +17,7 @@ serving pads a 1-row request to 2 rows, as torch.export specializes sizes 0 and 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
 import json
@@ -57,17 +58,20 @@ def _dynamic_shapes(batch: dict) -> ShapesCollection:
 
 
 def export(model: torch.nn.Module, path: str, *, schema: Schema | None = None, model_name: str | None = None,
-           step: int = 0, progress=None, compile: bool = True) -> str:
+           step: int = 0, progress=None, compile: bool | None = None) -> str:
     """Write a self-contained serving export of `model` to the folder `path` (replaced atomically).
     The model is not changed: a frozen copy is traced. `compile`: also the AOTInductor packages (CPU,
     and CUDA where a GPU is present; about 20-40 s each on 2 cores), which serving runs instead of
-    the traced program. `progress`: the stage under way shown on a terminal (None or True:
-    deeprec.progress's shared console, False: never, or a rich Console)."""
+    the traced program (None: yes, unless $DEEPREC_EXPORT_COMPILE=0). `progress`: the stage under way
+    shown on a terminal (None or True: deeprec.progress's shared console, False: never, or a rich
+    Console)."""
     schema = schema or getattr(model, "schema", None)
     if schema is None:
         raise ValueError("export needs the data's schema: dr.export(model, path, schema=...)")
     if os.path.exists(path) and not os.path.isdir(path):  # before the work: an export is a folder
         raise ConfigError(f"--out {path} is a file: an export is a folder (give a new or an export's folder)")
+    if compile is None:
+        compile = compile_cache.compile_by_default()
     with show_progress("export", total=len(STAGES) - (not compile), unit="stages", rate=False, console=progress,
                        transient=True) as shown:
         shown.stage(STAGES[0])
@@ -82,13 +86,15 @@ def export(model: torch.nn.Module, path: str, *, schema: Schema | None = None, m
     return path
 
 
-def _compile(frozen: torch.nn.Module, program, batch: dict, staging: str) -> dict[str, str | None]:
+def _compile(frozen: torch.nn.Module, program, batch: dict, staging: str,
+             held: contextlib.ExitStack) -> dict[str, str | None]:
     """The AOTInductor packages into `staging`: CPU from `program`; CUDA from a trace of `frozen` on
     the GPU (preprocessing ops copy their ids to the host themselves). {device: the cache key to store
-    the package under once it passed its check, or None where it came from the cache}."""
+    the package under once it passed its check, or None where it came from the cache}; each key's
+    cache lock is entered into `held`."""
     from deeprec.serving.compiled import compile_package, package_name
 
-    compiled = {"cpu": compile_package(program, os.path.join(staging, package_name("cpu")))}
+    compiled = {"cpu": compile_package(program, os.path.join(staging, package_name("cpu")), "cpu", held)}
     if torch.cuda.is_available():
         try:
             on_gpu = copy.deepcopy(frozen).to("cuda")
@@ -96,7 +102,7 @@ def _compile(frozen: torch.nn.Module, program, batch: dict, staging: str) -> dic
             with torch.no_grad():
                 gpu_program = torch.export.export(on_gpu, (gpu_batch,), dynamic_shapes=_dynamic_shapes(gpu_batch),
                                                   strict=False)
-            compiled["cuda"] = compile_package(gpu_program, os.path.join(staging, package_name("cuda")), "cuda")
+            compiled["cuda"] = compile_package(gpu_program, os.path.join(staging, package_name("cuda")), "cuda", held)
         except Exception as err:  # the CPU package stands; serving on the GPU says why it has none
             warnings.warn(f"export: no CUDA package ({type(err).__name__}: {str(err).splitlines()[0]})", stacklevel=3)
     return compiled
@@ -155,27 +161,28 @@ def _write(program, model, path: str, schema: Schema, batch: dict, model_name, s
         shown.stage(STAGES[3])
         tensors, shared = shared_names(frozen, tensors)  # a module under several names: stored once
         save_file({k: v.detach().contiguous() for k, v in tensors.items()}, os.path.join(staging, TABLES))
-        compiled = {}
-        if compile:
-            shown.stage(STAGES[4])
-            compiled = _compile(frozen, program, batch, staging)
-        manifest = {"format": FORMAT, "model": model_name or type(model).__name__.lower(), "step": int(step),
-                    "schema": schema_to_dict(schema), "labels": list(getattr(model, "label_columns", ("label",))),
-                    "inputs": sorted(batch), "compiled": list(compiled), "shared": shared,
-                    "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the ISA the .so's kernels use
-                    "cpu_flags": cpu_flags(),  # -march=native: the package may use any of them
-                    "deeprec": deeprec.__version__, "torch": torch.__version__}
-        _write_manifest(staging, manifest)
-        for device, key in compiled.items():  # each package loaded and run once before it is listed
-            why = verify(staging, device, in_process=key is None)
-            if why is not None:
-                warnings.warn(f"export: the {device} package is left out, serving runs the traced program: {why}",
-                              stacklevel=3)
-                os.unlink(os.path.join(staging, package_name(device)))
-                manifest["compiled"] = [d for d in manifest["compiled"] if d != device]
-                _write_manifest(staging, manifest)
-            elif key is not None:
-                compile_cache.store(key, os.path.join(staging, package_name(device)))
+        with contextlib.ExitStack() as held:  # the compile cache's locks, until the packages are stored
+            compiled = {}
+            if compile:
+                shown.stage(STAGES[4])
+                compiled = _compile(frozen, program, batch, staging, held)
+            manifest = {"format": FORMAT, "model": model_name or type(model).__name__.lower(), "step": int(step),
+                        "schema": schema_to_dict(schema), "labels": list(getattr(model, "label_columns", ("label",))),
+                        "inputs": sorted(batch), "compiled": list(compiled), "shared": shared,
+                        "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the ISA the .so's kernels use
+                        "cpu_flags": cpu_flags(),  # -march=native: the package may use any of them
+                        "deeprec": deeprec.__version__, "torch": torch.__version__}
+            _write_manifest(staging, manifest)
+            for device, key in compiled.items():  # each package loaded and run once before it is listed
+                why = verify(staging, device, in_process=key is None)
+                if why is not None:
+                    warnings.warn(f"export: the {device} package is left out, serving runs the traced program: {why}",
+                                  stacklevel=3)
+                    os.unlink(os.path.join(staging, package_name(device)))
+                    manifest["compiled"] = [d for d in manifest["compiled"] if d != device]
+                    _write_manifest(staging, manifest)
+                elif key is not None:
+                    compile_cache.store(key, os.path.join(staging, package_name(device)))
         replace_dir(staging, path)  # every file fsynced, then renamed in (an older export aside, then dropped)
         shown.advance()  # the last stage done
     except BaseException:

@@ -80,7 +80,7 @@ class ExportWriter:
     """Writes a training model's full exports and deltas into `directory`."""
 
     def __init__(self, directory: str, model: torch.nn.Module, schema, model_name: str, keep: int = 2,
-                 compile: bool = True):
+                 compile: bool | None = None):
         self.directory, self.model, self.schema, self.model_name, self.keep = directory, model, schema, model_name, keep
         self.compile = compile
         self.last_step: int | None = None

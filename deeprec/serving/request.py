@@ -27,9 +27,15 @@ import pyarrow.csv as pacsv
 from deeprec.data.schema import split_sequence
 from deeprec.errors import DeepRecError
 
-MISSING_TEXTS = pa.array(pacsv.ConvertOptions().null_values, pa.string())  # the reader's CSV parse: null
-_MISSING_LOOKUP = pc.SetLookupOptions(MISSING_TEXTS)  # built once: is_in would hash the set each call
-_NULL_TEXT = pa.scalar(None, pa.string())
+
+@functools.lru_cache(maxsize=1)
+def _missing_lookup() -> tuple[pc.SetLookupOptions, pa.Scalar]:
+    """The texts the reader's CSV parse reads as null, for is_in (built once: is_in would hash the set
+    each call; on first use: pa.array of a list imports pandas, 0.15 s of every process's start), and
+    the null text."""
+    return pc.SetLookupOptions(pa.array(pacsv.ConvertOptions().null_values, pa.string())), pa.scalar(None, pa.string())
+
+
 NUMBER_KINDS = ("label", "dense", "weight")
 _WANTED_NUMBER = 'a finite number (float32: |x| <= 3.4e38), a numeric string, "" or null'
 _WANTED_ID = 'an integer id (int64), a string of one, "" or null'
@@ -187,7 +193,8 @@ def _parse_text(c, raw: pa.Array, values, path: str, integer: bool, rows=None) -
         except pa.ArrowInvalid:  # bytes that are not UTF-8
             i = _first_failing(raw, lambda part: pc.cast(part, pa.string()))
             raise _not_parsed(c, values[i], path, i if rows is None else rows[i], integer) from None
-    clean = pc.if_else(pc.is_in(text, options=_MISSING_LOOKUP), _NULL_TEXT, text)
+    missing, null_text = _missing_lookup()
+    clean = pc.if_else(pc.is_in(text, options=missing), null_text, text)
     if integer:  # "+3" is 3, as the reader reads it
         clean = pc.replace_substring_regex(clean, r"^([ \t]*)\+", r"\1")
     try:

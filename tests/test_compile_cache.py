@@ -1,0 +1,80 @@
+"""The compiled-package cache's lock (two exports of one program compile it once) and the
+DEEPREC_EXPORT_COMPILE default."""
+import os
+import threading
+
+import pytest
+
+from deeprec.cli import main
+from deeprec.errors import ConfigError
+from deeprec.serving import compile_cache
+
+from waits import wait_until
+
+
+def _blocked_flocks() -> int:
+    """Lock requests waiting in the kernel (/proc/locks lists a waiter as '<n>: -> FLOCK ...')."""
+    with open("/proc/locks") as f:
+        return sum(1 for line in f if "->" in line and "FLOCK" in line)
+
+
+def test_a_second_claim_of_a_key_waits_for_the_first_and_another_key_does_not(tmp_path, monkeypatch):
+    monkeypatch.setenv("DEEPREC_CACHE", str(tmp_path))
+    events = []
+    first_in, release = threading.Event(), threading.Event()
+
+    def first():
+        with compile_cache.claimed("k1"):
+            events.append("first in")
+            first_in.set()
+            release.wait(60)
+            events.append("first out")
+
+    def second():
+        with compile_cache.claimed("k1"):
+            events.append("second in")
+
+    holder = threading.Thread(target=first)
+    holder.start()
+    assert first_in.wait(60)
+    waiting_before = _blocked_flocks()
+    with compile_cache.claimed("k2"):  # another program: not held up
+        events.append("other key in")
+    waiter = threading.Thread(target=second)
+    waiter.start()
+    wait_until(lambda: _blocked_flocks() > waiting_before, 60, "the second claim waiting on the lock")
+    assert "second in" not in events
+    release.set()
+    holder.join(60)
+    waiter.join(60)
+    assert events == ["first in", "other key in", "first out", "second in"]
+    assert os.path.exists(tmp_path / "compiled" / "k1.lock")
+
+
+def test_a_cache_folder_that_cannot_be_written_claims_without_a_lock(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("DEEPREC_CACHE", str(tmp_path / "file"))  # a file: no folder can be made under it
+    with compile_cache.claimed("k"):
+        pass
+
+
+@pytest.mark.parametrize("value,want", [("0", False), ("off", False), ("False", False), ("1", True), (" yes ", True)])
+def test_the_compile_default_follows_the_variable(monkeypatch, value, want):
+    monkeypatch.setenv("DEEPREC_EXPORT_COMPILE", value)
+    assert compile_cache.compile_by_default() is want
+    monkeypatch.delenv("DEEPREC_EXPORT_COMPILE")
+    assert compile_cache.compile_by_default() is True
+
+
+def test_a_bad_compile_variable_is_one_line_naming_it(tmp_path, sample, monkeypatch, capsys):
+    monkeypatch.setenv("DEEPREC_EXPORT_COMPILE", "maybe")
+    with pytest.raises(ConfigError, match="DEEPREC_EXPORT_COMPILE='maybe': expected one of 1, 0"):
+        compile_cache.compile_by_default()
+    ck = tmp_path / "ck"
+    assert main(["train", "--model", "wdl", "--data", sample, "--steps", "2", "--batch-size", "16", "--no-progress",
+                 "--checkpoint-dir", str(ck)]) == 0
+    assert main(["export", "--checkpoint", str(ck), "--out", str(tmp_path / "e")]) == 2
+    assert "DEEPREC_EXPORT_COMPILE='maybe'" in capsys.readouterr().err
+    monkeypatch.setenv("DEEPREC_EXPORT_COMPILE", "0")  # no --compile given: the traced program only
+    assert main(["export", "--checkpoint", str(ck), "--out", str(tmp_path / "e")]) == 0
+    assert not [name for name in os.listdir(tmp_path / "e") if name.endswith(".pt2") and name != "program.pt2"]
