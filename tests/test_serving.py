@@ -49,7 +49,7 @@ def _dlrm_export(folder, rows: int = 16) -> tuple[str, list]:
     trainer = Trainer(TrainConfig.create(model="dlrm", data=[data], steps=3, batch_size=64, embedding="variable",
                                          progress=False))
     trainer.train()
-    path = dr.export(trainer.model, str(folder / "export"), schema=trainer.schema, model_name="dlrm", step=3)
+    path = dr.export(trainer.model, str(folder / "dlrm"), schema=trainer.schema, model_name="dlrm", step=3)
     return path, _json_rows(data, trainer.schema, rows)
 
 
@@ -62,7 +62,7 @@ def _din_export(folder) -> str:
     write_behavior(data, 400, users=50, items=200, categories=10, max_length=8, progress=False)
     trainer = Trainer(TrainConfig.create(model="din", data=[data], steps=3, batch_size=64, progress=False))
     trainer.train()
-    return dr.export(trainer.model, str(folder / "export"), schema=trainer.schema, model_name="din", step=3,
+    return dr.export(trainer.model, str(folder / "din"), schema=trainer.schema, model_name="din", step=3,
                      compile=False)
 
 

@@ -115,3 +115,37 @@ def test_serve_follows_new_deltas_without_a_restart(tmp_path):
     finally:
         proc.terminate()
         proc.wait(20)
+
+
+def test_an_over_limit_body_is_a_413_that_every_client_reads(server):
+    """The server drains the rest of the body before it answers: answering and closing while the client
+    still sends resets the connection, and urllib (which writes the whole body first) saw the reset."""
+    import json
+    import re
+    import urllib.error
+    import urllib.request
+
+    import requests
+
+    _, served, _ = server
+    proc = subprocess.Popen([sys.executable, "-m", "deeprec", "serve", served.path, "--port", "0",
+                             "--max-body-bytes", "200000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("listening on http://127.0.0.1:"), (line, proc.stderr.read() if proc.poll() else "")
+        url = line.split()[-1] + "/v1/predict"
+        body = json.dumps({"inputs": {"C1": ["68fd1e64" * 100] * 4000}}).encode()  # 3.2 MB
+        assert len(body) > 3_000_000
+        for _ in range(20):
+            request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=60)
+            assert refused.value.code == 413 and "--max-body-bytes" in refused.value.read().decode()
+        assert requests.post(url, data=body, timeout=60).status_code == 413
+        assert httpx.post(url, content=body, timeout=60).status_code == 413
+        chunked = httpx.post(url, content=iter([body[i:i + 65536] for i in range(0, len(body), 65536)]), timeout=60)
+        # no length: read to past the limit ("N+ bytes"), the rest drained
+        assert chunked.status_code == 413 and re.search(r": \d+\+ bytes", chunked.json()["error"])
+    finally:
+        proc.terminate()
+        proc.wait(20)

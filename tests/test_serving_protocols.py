@@ -41,7 +41,7 @@ def mmoe(tmp_path_factory):
     """A multi-task MMoE (labels finish, like) and its rows."""
     tmp = tmp_path_factory.mktemp("proto-mmoe")
     trainer, data = _trained("mmoe", "table", tmp)
-    path = dr.export(trainer.model, str(tmp / "export"), schema=trainer.schema, model_name="mmoe", step=3,
+    path = dr.export(trainer.model, str(tmp / "mmoe"), schema=trainer.schema, model_name="mmoe", step=3,
                      compile=False)  # request handling; MMoE's package: test_serving_compiled
     rows = {c.name: [0.5, None, 3.0, 12.0, 0.0, 7.5] if c.kind == "dense" else [str(i * 13) for i in range(6)]
             for c in trainer.schema.columns if c.kind not in ("label", "ignore")}
@@ -194,6 +194,35 @@ def test_a_repository_serves_each_export_under_its_folder_name(dlrm, din, tmp_pa
     (repo / "empty").mkdir()
     with pytest.raises(ServingError, match="empty: neither an export"):
         open_repository(str(repo))
+
+
+def test_a_single_export_is_served_under_its_folder_name_or_model_name(dlrm, tmp_path):
+    """A custom model's manifest names it module:attribute (a file path): no URL could address it."""
+    copy = tmp_path / "my-ctr"
+    shutil.copytree(dlrm[0], copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["model"] = "/abs/path/dcn.py:DCNv2"
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    rows = _rows(dlrm[1], 2)
+    for name, want in ((None, "my-ctr"), ("ctr", "ctr")):
+        opened, is_repository = open_repository(str(copy), name)
+        assert not is_repository and list(opened) == [want]
+        served = opened[want][0]
+        with TestClient(make_app(served, name=name)) as client:
+            scores = client.post(f"/v1/models/{want}:predict", json={"inputs": rows}).json()["outputs"]
+            assert np.array_equal(np.array(scores, np.float32), served(rows).numpy())
+            assert client.get(f"/v2/models/{want}").json()["name"] == want
+            assert client.get(f"/v1/models/{want}").status_code == 200
+            assert client.get("/v2/models/dlrm").status_code == 404
+    with pytest.raises(ServingError, match="--model-name 'a b' cannot be a model's name in URLs"):
+        open_repository(str(copy), "a b")
+    spaced = tmp_path / "my ctr"
+    copy.rename(spaced)
+    with pytest.raises(ServingError, match="the folder's name 'my ctr' cannot be .*; give --model-name"):
+        open_repository(str(spaced))
+    assert list(open_repository(str(spaced), "ctr")[0]) == ["ctr"]
+    with pytest.raises(ServingError, match="is a model repository, whose models are named by their folders"):
+        open_repository(str(tmp_path), "ctr")
 
 
 def test_token_guards_the_model_routes_not_health(dlrm):

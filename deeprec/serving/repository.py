@@ -1,8 +1,9 @@
 """The models `deeprec serve PATH` serves: one export, one training's export dir, or a model repository,
 each with its batcher, scoring thread, health, metrics and online-update watcher.
 
-    PATH/manifest.json                   one export, served under its manifest's "model" name
-    PATH/full-<step>/, delta-<step>.*    a training's --export-dir, followed while serving (online)
+    PATH/manifest.json                   one export, served under its folder's name (--model-name)
+    PATH/full-<step>/, delta-<step>.*    a training's --export-dir, followed while serving (online),
+                                         served under the export dir's name (--model-name)
     PATH/<name>/...                      a model repository, as Triton's: each folder one of the two
                                          above, served as <name> (letters, digits, _ . -)
 
@@ -48,14 +49,31 @@ def open_model(path: str) -> tuple[ServedModel, ExportFolder | None]:
     return folder.load(), folder
 
 
-def open_repository(path: str) -> tuple[dict[str, tuple[ServedModel, ExportFolder | None]], bool]:
-    """({name: (model, folder)}, is a repository). One export or export dir is one model named by its
-    manifest; a repository's models are named by their folders. A folder that is neither: ServingError."""
+def model_name(path: str, given: str | None = None) -> str:
+    """The name a single export (or export dir) at `path` is served under, in every URL and metadata
+    answer: `given` (--model-name), else the folder's name, as Triton names a model by its folder
+    (never a file path: a custom model's manifest names it by module:attribute, which no URL holds)."""
+    name = given if given is not None else os.path.basename(os.path.normpath(os.path.abspath(path)))
+    if not NAME.match(name):
+        where = "--model-name" if given is not None else f"{path}: the folder's name"
+        raise ServingError(f"{where} {name!r} cannot be a model's name in URLs: letters, digits, _ . - only"
+                           + ("" if given is not None else "; give --model-name"))
+    return name
+
+
+def open_repository(path: str, name: str | None = None) -> tuple[dict[str, tuple[ServedModel, ExportFolder | None]],
+                                                                 bool]:
+    """({name: (model, folder)}, is a repository). One export or export dir is one model named by
+    model_name(path, name); a repository's models are named by their folders (`name`: refused). A
+    folder that is neither: ServingError."""
     if is_export(path) or is_export_dir(path):
-        model, folder = open_model(path)
-        return {model.manifest["model"]: (model, folder)}, False
+        served_as = model_name(path, name)
+        return {served_as: open_model(path)}, False
     if not os.path.isdir(path):
         raise ServingError(f"{path}: no such export")
+    if name is not None:
+        raise ServingError(f"--model-name {name}: {path} is a model repository, whose models are named by their "
+                           "folders; --model-name names a single export")
     names = sorted(n for n in os.listdir(path) if not n.startswith(".") and os.path.isdir(os.path.join(path, n)))
     if not names:
         raise ServingError(f"{path}: no export: neither an export (manifest.json), a training's export dir "

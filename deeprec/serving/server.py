@@ -33,7 +33,7 @@ import uvicorn
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -41,16 +41,37 @@ import deeprec
 from deeprec.errors import ConfigError
 from deeprec.serving import RequestError
 from deeprec.serving import protocols as p
-from deeprec.serving.repository import Metrics, NonFinite, Served, open_repository
+from deeprec.serving.repository import Metrics, NonFinite, Served, model_name, open_repository
 
-MAX_BODY_BYTES = 8 << 20  # --max-body-bytes: a larger body is a 413, read no further
+MAX_BODY_BYTES = 8 << 20  # --max-body-bytes: a larger body is a 413, its rest read and dropped (drain)
+# What a 413 reads of the rest of the body before it answers, as nginx's lingering close: a server that
+# answers and closes while the client still sends resets the connection, and a client that writes its
+# whole body before reading (urllib) then sees the reset, never the 413. Beyond these, it closes anyway.
+DRAIN_BYTES = 64 << 20
+DRAIN_S = 5.0
 MAX_ROWS = 8192  # --max-rows: rows of one request
 
 log = logging.getLogger("deeprec.serve")
 
 
 class _TooLarge(Exception):
-    pass
+    """A body over --max-body-bytes: (its size as far as known, whether the client is still sending it)."""
+
+
+async def _drain(request: Request) -> None:
+    """Reads and drops the rest of the request's body, at most DRAIN_BYTES for DRAIN_S seconds (the
+    ASGI receive channel: the body's stream may be half consumed)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > DRAIN_BYTES:
+        return
+    read = 0
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(DRAIN_S):
+            while read <= DRAIN_BYTES:
+                message = await request.receive()
+                read += len(message.get("body", b""))
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    return
 
 
 class Missing(Exception):
@@ -66,14 +87,16 @@ def _json(value, status: int = 200, headers: dict | None = None) -> Response:
 
 
 def make_app(models, max_batch: int = 256, max_wait_ms: float = 0.0, folder=None, watch_interval_s: float = 1.0,
-             *, max_rows: int = MAX_ROWS, max_body_bytes: int = MAX_BODY_BYTES, token: str | None = None) -> Starlette:
-    """`models`: a ServedModel (named by its manifest's "model"), or {name: ServedModel} (a repository:
-    metrics labelled by model). `folder`: the ExportFolder a model follows ({name: folder} for several);
+             *, max_rows: int = MAX_ROWS, max_body_bytes: int = MAX_BODY_BYTES, token: str | None = None,
+             name: str | None = None) -> Starlette:
+    """`models`: a ServedModel, served as `name` (default: its export's folder name, or the followed
+    export dir's: repository.model_name), or {name: ServedModel} (a repository: metrics labelled by model). `folder`: the ExportFolder a model follows ({name: folder} for several);
     new deltas and full exports in it are applied while serving. `token`: the scoring and model routes
     require `Authorization: Bearer <token>` (health, /v2 and /metrics stay open)."""
     labelled = isinstance(models, dict)
     if not labelled:
-        models, folder = {models.manifest["model"]: models}, {models.manifest["model"]: folder}
+        name = model_name(folder.directory if folder is not None else models.path, name)
+        models, folder = {name: models}, {name: folder}
     folders = folder if isinstance(folder, dict) else {}
     metrics = Metrics(labelled)
     served = {name: Served(name, model, folders.get(name), metrics, max_batch, max_wait_ms / 1000, watch_interval_s)
@@ -97,12 +120,16 @@ def make_app(models, max_batch: int = 256, max_wait_ms: float = 0.0, folder=None
     async def read_body(request: Request) -> bytes:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > max_body_bytes:
-            raise _TooLarge(int(declared))
-        chunks, size = [], 0
-        async for chunk in request.stream():
+            raise _TooLarge(int(declared), True)
+        chunks, size, more = [], 0, True
+        while more:  # ASGI's receive, not request.stream(): a 413 must know whether the client still sends
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnect()
+            chunk, more = message.get("body", b""), message.get("more_body", False)
             size += len(chunk)
             if size > max_body_bytes:
-                raise _TooLarge(size)
+                raise _TooLarge(size, more)
             chunks.append(chunk)
         return _inflated(b"".join(chunks), request.headers.get("content-encoding"), max_body_bytes)
 
@@ -121,9 +148,11 @@ def make_app(models, max_batch: int = 256, max_wait_ms: float = 0.0, folder=None
         try:
             response = refused() if not authorized(request) else await answer(request, holder)
         except _TooLarge as err:
+            if err.args[1]:
+                await _drain(request)
             response = _json({"error": f"the body is over {max_body_bytes} bytes (--max-body-bytes): {err.args[0]}"
                                        f"{'+' if request.headers.get('content-length') is None else ''} bytes; "
-                                       "split the request"}, 413)
+                                       "split the request"}, 413, {"Connection": "close"})
         except NonFinite:
             response = _json({"error": "the model gave non-finite scores (logged by the server)"}, 500)
         except Exception:  # a bug of the server, never the client's: logged with its traceback
@@ -290,7 +319,7 @@ def _inflated(body: bytes, encoding: str | None, limit: int) -> bytes:
     except zlib.error as err:
         raise RequestError(f"the body is not {encoding.strip().lower()} ({err})") from None
     if len(out) > limit:
-        raise _TooLarge(len(out))
+        raise _TooLarge(len(out), False)  # the whole body was read
     if not inflater.eof:
         raise RequestError(f"the {encoding.strip().lower()} body ends before its end")
     return out
@@ -298,14 +327,15 @@ def _inflated(body: bytes, encoding: str | None, limit: int) -> bytes:
 
 def serve(path: str, host: str = "127.0.0.1", port: int = 8080, max_batch: int = 256,
           max_wait_ms: float = 0.0, threads: int | None = None, watch_interval_s: float = 1.0, *,
-          max_rows: int = MAX_ROWS, max_body_bytes: int = MAX_BODY_BYTES, token: str | None = None) -> None:
+          max_rows: int = MAX_ROWS, max_body_bytes: int = MAX_BODY_BYTES, token: str | None = None,
+          name: str | None = None) -> None:
     """Serve the export, export dir or model repository at `path` until interrupted; prints
-    `listening on http://host:port` when ready. `threads`: torch intra-op threads of the scoring
+    `listening on http://host:port` when ready. `name`: a single export's name (default: its folder's). `threads`: torch intra-op threads of the scoring
     threads (default: cores - 1, leaving one core to the event loop that parses requests)."""
     from deeprec.security import is_loopback
 
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
-    opened, repository = open_repository(path)
+    opened, repository = open_repository(path, name)
     models = {name: model for name, (model, _) in opened.items()}
     folders = {name: folder for name, (_, folder) in opened.items()}
     if repository:
@@ -314,7 +344,7 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 8080, max_batch: int =
     else:
         (name, model), = models.items()
         app = make_app(model, max_batch, max_wait_ms, folders[name], watch_interval_s, max_rows=max_rows,
-                       max_body_bytes=max_body_bytes, token=token)
+                       max_body_bytes=max_body_bytes, token=token, name=name)
     if token is None and not is_loopback(f"{host}:{port}"):
         log.warning("serving on %s without a token: anyone who reaches it may predict (--token-file)", host)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -328,6 +358,5 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 8080, max_batch: int =
                           "--port (0: any free one)") from None
     sock.listen(1024)  # connections wait in the backlog until uvicorn accepts
     print(f"listening on http://{host}:{sock.getsockname()[1]}", flush=True)
-    if repository:
-        print(f"models: {', '.join(models)}", flush=True)
+    print(f"{'models' if repository else 'model'}: {', '.join(models)}", flush=True)
     uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
