@@ -22,11 +22,12 @@ run: $(STAMP)
 	$(VENV)/bin/deeprec train --model dlrm --epochs 5 --batch-size 32
 
 # The suite on every core (pytest-xdist; tests/conftest.py gives each worker its share of the threads),
-# a test file's tests on one worker (they share module fixtures), the longest files first
-# (tests/durations.json); the 25 slowest tests listed at the end.
+# in work units (a test file, a docs page, a compiled model: tests/scheduling.py), the longest first
+# (tests/durations.json); the 25 slowest tests listed at the end; each test's time in a JUnit report
+# (python tests/durations.py tests/.cache/junit.xml refreshes durations.json from it).
 PYTEST_WORKERS ?= auto
 test: $(STAMP)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=25
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=25 --junitxml=tests/.cache/junit.xml
 
 # The edit loop: the tests not marked slow (a few minutes)
 test-quick: $(STAMP)
