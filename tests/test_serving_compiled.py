@@ -178,7 +178,7 @@ def test_new_keys_fill_the_headroom_and_the_package_follows_them(dlrm_package):
     assert torch.isfinite(served(batch)).all()
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="trains with full exports and deltas: an AOTInductor compile (20-60 s on 2 cores)")
 def test_deltas_keep_the_package_and_bring_it_to_the_trained_model(tmp_path):
     exports = tmp_path / "exports"
     cfg = dict(model="dlrm", data=[sample_path("criteo_sample.txt")], batch_size=16, embedding="variable",
