@@ -42,6 +42,7 @@ def _drain_rank(rank, init_file, out_dir, bucket_bytes):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bucket_bytes", [None, 16])
 def test_a_worker_whose_data_ended_drains_and_the_others_average_over_those_still_training(tmp_path, bucket_bytes):
     mp.spawn(_drain_rank, args=(str(tmp_path / "init"), str(tmp_path), bucket_bytes), nprocs=WORLD, join=True)
@@ -86,6 +87,7 @@ def _overlap_rank(rank, init_file, out_dir):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_collective_buckets_launch_from_the_backward_and_average_over_the_world(tmp_path):
     mp.spawn(_overlap_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"overlap{r}.pt") for r in range(WORLD)]

@@ -32,6 +32,7 @@ def _run(fast, reader):
     return torch.cat(ids).tolist(), states, losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("forced", ["off", "thread", "process"])
 def test_auto_trains_every_batch_once_whatever_it_picks(unique_tsv, monkeypatch, forced):
     # Thresholds forced so each branch (and its drain and switch) runs on this machine.

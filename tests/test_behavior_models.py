@@ -58,6 +58,7 @@ LEARNING = {"din": (100, 0.68, {}), "dien": (60, 0.6, {"max_length": 20}), "dssm
             "mmoe": (100, 0.6, {})}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LEARNING))
 def test_each_model_learns_the_planted_preference(name, behavior):
     steps, bound, extra = LEARNING[name]

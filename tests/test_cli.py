@@ -64,6 +64,7 @@ def test_synthetic_flag_caches_files(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["synth-small-1000-seed1000003-eval.tsv", "synth-small-2000-seed0-train.tsv"]
 
 
+@pytest.mark.slow
 def test_console_script_is_installed():
     exe = os.path.join(os.path.dirname(sys.executable), "deeprec")
     done = subprocess.run([exe, "train", "--help"], capture_output=True, text=True, timeout=120)

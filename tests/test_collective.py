@@ -108,6 +108,7 @@ def _rank_fixed(rank, init_file, out_dir):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_fixed_tables_sharded_row_and_table_wise_equal_one_process(tmp_path):
     from deeprec.distributed.collective.reshard import merge_rank_states
     from deeprec.distributed.collective.planner import FixedShard, plan_tables
@@ -181,6 +182,7 @@ def _rank_nan(rank, port, out_dir):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_nan_on_one_rank_stops_every_rank_with_nothing_applied(tmp_path):
     import socket
 
@@ -200,6 +202,7 @@ def test_a_nan_on_one_rank_stops_every_rank_with_nothing_applied(tmp_path):
                 assert torch.equal(r["before"][prefix + field], r["after"][prefix + field][where]), prefix + field
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_process_on_the_global_batch(tmp_path):
     mp.spawn(_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
     reference = Tiny()
@@ -249,6 +252,7 @@ def rank_states(ckpt, world: int, step: int) -> list[dict]:
             for r in range(world)]
 
 
+@pytest.mark.slow
 def test_torchrun_trains_two_ranks_then_resumes_resharded_on_three(tmp_path, unique_tsv):
     ckpt = tmp_path / "ckpt"
     done = torchrun(2, "--data", unique_tsv, "--steps", "8", "--checkpoint-dir", str(ckpt), "--eval-data", unique_tsv)
@@ -313,6 +317,7 @@ def assert_one_process_evaluates(ckpt, data: str, env=None) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_launch_collective_runs_ranks_without_a_ps(tmp_path):
     env = dict(os.environ, DEEPREC_CACHE=str(tmp_path))
     done = subprocess.run([sys.executable, "-m", "deeprec.cli", "launch", "--workers", "2", "--collective", "--",
@@ -366,6 +371,7 @@ def test_planner_spreads_big_tables_and_packs_small_ones():
     assert "ev: grows, row-wise (key % 1000 % N)" in " ".join(lines) and "fixed tables per rank" in lines[-1]
 
 
+@pytest.mark.slow
 def test_explain_prints_the_sharding_plan():
     done = subprocess.run([sys.executable, "-m", "deeprec", "explain", "--model", "dlrm", "--ranks", "4",
                            "--no-smart-stage", "--embedding", "table"], capture_output=True, text=True, timeout=120)
@@ -382,6 +388,7 @@ def test_the_plan_lists_free_embedding_variables_under_every_name():
     assert any(line.startswith("  evs.C1 = evs.C2: grows,") and "row-wise (key % 1000 % N)" in line for line in lines)
 
 
+@pytest.mark.slow
 def test_launch_collective_stops_every_rank_when_one_fails(tmp_path, unique_tsv):
     lines = open(unique_tsv).read().splitlines()[:4000]
     lines[3500] = "garbage"  # in rank 1's byte range: it stops at once, rank 0 would wait for it forever

@@ -114,6 +114,7 @@ CASES += [pytest.param(name, "ddp", marks=pytest.mark.slow)  # a variable's two 
           for name in ("called_twice", "shared_names")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,mode", CASES)
 def test_two_ranks_equal_one_process_on_the_global_batch(tmp_path, name, mode):
     mp.spawn(_rank, args=(_free_port(), str(tmp_path), name, mode), nprocs=WORLD, join=True)

@@ -66,6 +66,7 @@ def test_the_compile_default_follows_the_variable(monkeypatch, value, want):
     assert compile_cache.compile_by_default() is True
 
 
+@pytest.mark.slow
 def test_a_bad_compile_variable_is_one_line_naming_it(tmp_path, sample, monkeypatch, capsys):
     monkeypatch.setenv("DEEPREC_EXPORT_COMPILE", "maybe")
     with pytest.raises(ConfigError, match="DEEPREC_EXPORT_COMPILE='maybe': expected one of 1, 0"):

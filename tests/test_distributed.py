@@ -38,6 +38,7 @@ def training_steps(n=5, dim=4):
     return [(torch.unique(torch.randint(0, 10_000, (64,), generator=g)),) for _ in range(n)], g
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("protocol", ["grpc", "star_server", "star_server_lite"])
 @pytest.mark.parametrize("num_ps", [1, 2])
 def test_ps_training_matches_local_updates(ps_pool, protocol, num_ps):
@@ -102,6 +103,7 @@ def test_malformed_requests_get_clear_errors_and_the_ps_lives(ps_pool):
     client.close()
 
 
+@pytest.mark.slow
 def test_wrong_shard_is_rejected(ps_pool):
     addresses, _ = ps_pool(2)
     client = PSClient(addresses[:1] + addresses[:1], deadline_s=20)  # both "PSs" are really PS 0
@@ -112,6 +114,7 @@ def test_wrong_shard_is_rejected(ps_pool):
     client.close()
 
 
+@pytest.mark.slow
 def test_killed_ps_fails_fast_with_its_name(ps_pool):
     addresses, procs = ps_pool(2)
     client = PSClient(addresses, deadline_s=3)
@@ -168,6 +171,7 @@ def test_server_binds_loopback_and_serves(tmp_path, monkeypatch):
         Server({"ps": ["a:1"]}, "ps", 0, protocol="tcp", start=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_ps,dense", [(1, "ps"), (2, "ps"), (2, "allreduce")])
 def test_ps_training_equals_single_process_training(ps_pool, unique_tsv, num_ps, dense):
     from deeprec.trainer import TrainConfig, Trainer
@@ -198,6 +202,7 @@ def run_launch(args, tmp_path, timeout=300):
                           timeout=timeout, env=env)
 
 
+@pytest.mark.slow
 def test_launch_trains_a_ps_job_and_reports_auc(tmp_path):
     done = run_launch(["--ps", "2", "--workers", "2", "--protocol", "star_server_lite", "--", "train",
                        "--model", "dlrm", "--synthetic", "4000", "--cardinalities", "small", "--steps", "8",
@@ -209,6 +214,7 @@ def test_launch_trains_a_ps_job_and_reports_auc(tmp_path):
     assert "[worker1]" in out
 
 
+@pytest.mark.slow
 def test_launch_reports_a_failed_worker(tmp_path):
     bad = tmp_path / "bad.tsv"
     bad.write_text("0\t1\n")
@@ -226,6 +232,7 @@ def test_ps_takes_its_shard_from_tf_config():
         assert "deeprec PS 2/3 listening on 127.0.0.1:" in line
 
 
+@pytest.mark.slow
 def test_worker_dying_mid_run_leaves_the_others_running(tmp_path, unique_tsv):
     # worker 1's half of the file holds a malformed row: it dies mid-run, worker 0 finishes
     lines = open(unique_tsv).read().splitlines()[:4000]
@@ -240,6 +247,7 @@ def test_worker_dying_mid_run_leaves_the_others_running(tmp_path, unique_tsv):
     assert "[worker0]" in out and "steps" in out
 
 
+@pytest.mark.slow
 def test_ps_checkpoint_restores_onto_a_different_number_of_ps(ps_pool, unique_tsv, tmp_path):
     from deeprec.trainer import TrainConfig, Trainer
 
@@ -267,6 +275,7 @@ def test_ps_checkpoint_restores_onto_a_different_number_of_ps(ps_pool, unique_ts
         assert torch.allclose(a[f"{name}/values"][order_a], b[f"{name}/values"][order_b], atol=1e-5), name
 
 
+@pytest.mark.slow
 def test_launch_resume_onto_more_ps(tmp_path):
     ckpt = tmp_path / "ckpt"
     train = ["--", "train", "--model", "dlrm", "--synthetic", "3000", "--cardinalities", "small", "--batch-size",
@@ -308,6 +317,7 @@ def test_sync_push_applies_the_average_once_per_step():
     assert sync.dense["w"].optimizer.step_count == 1
 
 
+@pytest.mark.slow
 def test_sync_workers_step_together(ps_pool, unique_tsv):
     import threading
 
@@ -332,6 +342,7 @@ def test_sync_workers_step_together(ps_pool, unique_tsv):
     assert int(a["opt/top.0.weight"]) == 6  # one averaged update per step, not one per worker push
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dense", ["ps", "allreduce"])
 def test_lite_protocol_in_training_saves_round_trips_with_the_same_result(ps_pool, unique_tsv, dense):
     """The push of step t rides with step t+1's first pull (the dense pull, or with all-reduce
@@ -360,6 +371,7 @@ def test_lite_protocol_in_training_saves_round_trips_with_the_same_result(ps_poo
             assert torch.allclose(value, lite_params[name], atol=1e-6), name
 
 
+@pytest.mark.slow
 def test_async_embedding_pulls_rows_in_the_prefetch(ps_pool, unique_tsv):
     """Rows of batch t+1 are pulled by the stage thread; the step uses them. With a
     vanishing lr nothing changes, so any mix-up of batches and rows would show in the losses."""
@@ -445,6 +457,7 @@ def test_pin_cores_pins_the_communication_threads(monkeypatch):
     client.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("protocol", ["grpc", "star_server", "star_server_lite"])
 def test_tables_of_several_dims_route_over_two_ps(ps_pool, protocol):
     """Rows of tables of two dims, keys split over two PSs: each table gets its own rows back."""

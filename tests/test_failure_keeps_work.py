@@ -103,6 +103,7 @@ def _same_checkpoint(a: str, b: str) -> None:
 
 
 # -- a failure checkpoints first ------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("smart_stage", [False, True])
 def test_a_bad_row_saves_the_step_before_it_and_resume_goes_on_exactly(tmp_path, bad_tsv, smart_stage):
     ckpt, steps = tmp_path / "failed", STEPS
@@ -235,6 +236,7 @@ def test_runlog_turns_off_after_one_failed_write(full_fs):
         RunLog(str(full), None, every=1)
 
 
+@pytest.mark.slow
 def test_a_full_export_disk_ends_the_run_after_its_checkpoint(tmp_path, bad_tsv, full_fs):
     exports, ckpt = full_fs(4096), tmp_path / "ck"
     with pytest.raises(ExportError) as failed:
@@ -245,6 +247,7 @@ def test_a_full_export_disk_ends_the_run_after_its_checkpoint(tmp_path, bad_tsv,
     assert os.listdir(exports) == [".filler"]  # the failed export left no staging folder
 
 
+@pytest.mark.slow
 def test_a_delta_on_a_full_disk_is_an_export_error_and_leaves_nothing(full_fs, sample):
     schema = resolve_schema([sample])
     exports = full_fs(None)

@@ -44,6 +44,7 @@ def _first_batch(reader, timeout: float = 60.0):
     return result["batch"]
 
 
+@pytest.mark.slow
 def test_din_on_the_short_sample_fails_at_once_naming_the_batch_size():
     # the bundled 200-row sample < batch 512, and DIN (batch norm) drops short batches: it used to spin forever
     proc = subprocess.run([sys.executable, "-m", "deeprec", "train", "--model", "din", "--data",
@@ -220,6 +221,7 @@ def _latest_step(directory) -> int:
     return int(os.path.basename(found[-1])[11:20]) if found else -1
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_reproduces_the_uninterrupted_run(tmp_path, unique_tsv):
     # ~10 kills at random moments of a run that checkpoints every step (kills land in writes too);
     # each resume must succeed, and the run finished by resumes equals the uninterrupted one exactly
@@ -391,6 +393,7 @@ def test_duplicate_keys_in_one_call_share_one_row():
     assert rows[0] == rows[2] == rows[3] and rows[1] == rows[4] and rows[0] != rows[1] and ev.size == 2
 
 
+@pytest.mark.slow
 def test_lookups_from_4_threads_while_exporting_with_eviction_read_what_is_stored():
     ev = _evicting_ev()
     expected = ev._defaults  # nothing trains: a key's value is always its initial row

@@ -189,6 +189,7 @@ def test_din_on_one_parameter_server_equals_local_training(behavior, ps_pool):
         assert torch.allclose(pulled, ev.weight[: ev.size], atol=1e-5), table
 
 
+@pytest.mark.slow
 def test_launch_trains_din_on_one_parameter_server(tmp_path):
     import os
     import subprocess

@@ -222,6 +222,7 @@ def test_bf16_runs_matmuls_in_bfloat16_with_fp32_weights(sample):
     assert abs(out["loss"].item() - ref.item()) < 0.02
 
 
+@pytest.mark.slow
 def test_graph_fusion_keeps_outputs_or_falls_back_with_one_warning(sample, recwarn, small_model):
     torch.manual_seed(0)
     plain = build_model("dlrm", **small_model)

@@ -62,6 +62,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_hybrid_sync_two_workers_equal_one_process_on_the_concatenated_batches(unique_tsv):
     from deeprec.config import Config
     from deeprec.distributed import PSClient
@@ -138,6 +139,7 @@ def test_a_pytorch_job_worker_finds_its_ps_in_the_environment(monkeypatch):
         worker_task_from_env()
 
 
+@pytest.mark.slow
 def test_launch_trains_hybrid_with_uneven_worker_data(tmp_path):
     """Workers whose shards end at different steps: the finished one keeps joining the
     all-reduce until the other ends, so neither waits forever."""
@@ -155,6 +157,7 @@ def test_launch_trains_hybrid_with_uneven_worker_data(tmp_path):
     assert chief[0] != other[0], (chief, other)  # the shards really were uneven
 
 
+@pytest.mark.slow
 def test_a_dead_worker_fails_the_others_all_reduce_with_a_clear_error(tmp_path, unique_tsv):
     from test_distributed import run_launch
 

@@ -67,6 +67,7 @@ def test_sizes_are_configurable_and_checked():
         build_model("dcn")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CRITEO_MODELS)
 def test_learns_planted_click_model(name, synthetic):
     train_file, eval_file = synthetic

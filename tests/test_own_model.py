@@ -82,6 +82,7 @@ def test_resume_below_done_steps_is_refused_before_training(tmp_path, sample):
         Trainer(TrainConfig.create(steps=4, resume=True, **common))
 
 
+@pytest.mark.slow
 def test_every_zoo_model_runs_on_its_bundled_sample(tmp_path):
     done = deeprec("train", "--model", "din", "--steps", "3", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -176,6 +177,7 @@ def test_sigterm_checkpoints_and_resume_continues_exactly(tmp_path, sample):
     torch.testing.assert_close(a, b, rtol=0, atol=0)  # exactly
 
 
+@pytest.mark.slow
 def test_an_empty_held_out_shard_fails_before_training(tmp_path, sample):
     done = deeprec("data", "convert", sample, "--out", str(tmp_path / "s.parquet"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr

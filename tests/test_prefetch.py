@@ -338,6 +338,7 @@ def test_process_executor_closed_and_ignored(caplog):
     assert "ValueError: skip me" in caplog.text
 
 
+@pytest.mark.slow
 def test_process_executor_model_outputs_identical_and_process_stopped_on_break(sample):
     import multiprocessing
 

@@ -90,6 +90,7 @@ def test_synth_shows_rows_written_of_the_total_and_writes_the_same_file(tmp_path
     assert "500/500" in behavior.file.getvalue()
 
 
+@pytest.mark.slow
 def test_export_names_its_stages_on_a_terminal(tmp_path):
     console = _terminal()
     model = build_model("dlrm", CRITEO_SCHEMA)

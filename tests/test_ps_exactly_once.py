@@ -3,6 +3,7 @@ with a retry whose reply it no longer keeps."""
 from __future__ import annotations
 
 import grpc
+import pytest
 import torch
 
 from deeprec.distributed import PSClient
@@ -40,6 +41,7 @@ def test_a_retry_whose_reply_was_dropped_is_refused_not_run_twice(ps):  # noqa: 
     client.close()
 
 
+@pytest.mark.slow
 def test_a_retried_load_is_taken_once(ps):  # noqa: F811
     """A Load whose reply was lost and that is sent again must not restore twice: a second restore
     would roll back the workers that already went on after the first."""
@@ -59,6 +61,7 @@ def test_a_retried_load_is_taken_once(ps):  # noqa: F811
     client.close()
 
 
+@pytest.mark.slow
 def test_the_client_says_which_replies_it_is_done_with(ps):  # noqa: F811
     """PSClient's calls carry "done": the PS keeps no reply of a call that was answered."""
     _, address, _ = ps()

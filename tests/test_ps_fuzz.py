@@ -70,12 +70,14 @@ def answer(calls, method: str, request: bytes) -> None:
         assert err.code() in ALLOWED, (method, err.code(), err.details())
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(method=st.sampled_from(METHODS), request=st.binary(max_size=64))
 def test_random_bytes_never_break_the_ps(ps, method, request):
     answer(ps[1], method, request)
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(method=st.sampled_from(METHODS), header=HEADER, payload=st.binary(max_size=256))
 def test_structured_requests_get_a_named_status(ps, method, header, payload):

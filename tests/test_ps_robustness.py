@@ -122,6 +122,7 @@ def test_a_bad_load_changes_nothing(ps):
     client.close()
 
 
+@pytest.mark.slow
 def test_waiting_pulls_are_bounded_and_health_is_always_answered(ps):
     _, address, calls = ps()
     waiting = pack({"embeddings": [], "after_step": 10 ** 12})
@@ -199,6 +200,7 @@ def test_token_is_required_on_every_call(monkeypatch):
         client.close()
 
 
+@pytest.mark.slow
 def test_a_ps_on_a_public_address_needs_a_token_or_insecure(monkeypatch):
     import os
 
@@ -210,6 +212,7 @@ def test_a_ps_on_a_public_address_needs_a_token_or_insecure(monkeypatch):
         assert "listening on 0.0.0.0:" in line
 
 
+@pytest.mark.slow
 def test_tls_serves_clients_that_trust_its_ca(tmp_path, monkeypatch):
     import shutil
 
@@ -244,6 +247,7 @@ def test_a_ps_takes_its_port_from_tf_config(tmp_path):
         assert f"listening on 127.0.0.1:{port}" in line
 
 
+@pytest.mark.slow
 def test_sigterm_to_launch_stops_and_reaps_every_process(tmp_path):
     import os
     import signal

@@ -67,6 +67,7 @@ def test_tiered_shard_equals_dram_shard_async_and_sync(tmp_path):
         assert torch.equal(restored.pull(*probe)["values/4"], plain.pull(*probe)["values/4"])
 
 
+@pytest.mark.slow
 def test_a_ps_process_serves_from_tiers(tmp_path):
     keys = torch.arange(0, 2000)
     results = []

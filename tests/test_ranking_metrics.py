@@ -126,6 +126,7 @@ def test_recall_and_ndcg_equal_a_brute_force_ranking():
     assert 0 < result["recall@1"] < result["recall@5"] < result["recall@20"] < 1
 
 
+@pytest.mark.slow
 def test_din_evaluation_reports_gauc_of_its_predictions(behavior):
     train, held_out = behavior
     cfg = TrainConfig.create(model="din", data=[train], eval_data=[held_out], steps=30, batch_size=256,

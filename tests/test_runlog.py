@@ -22,6 +22,7 @@ def texts(path: str) -> dict[str, str]:
     return {tag: events.Tensors(tag)[0].tensor_proto.string_val[0].decode() for tag in events.Tags()["tensors"]}
 
 
+@pytest.mark.slow
 def test_a_local_run_records_training_and_every_evaluation(tmp_path, behavior):
     train, held_out = behavior
     cfg = TrainConfig.create(model="din", data=[train], eval_data=[held_out], steps=40, batch_size=128,

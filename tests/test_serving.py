@@ -23,6 +23,7 @@ def _trained(model, embedding, tmp_path):
     return trainer, data
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("embedding", ["table", "variable"])
 @pytest.mark.parametrize("model", ["dlrm", "deepfm", "wdl", "din", "mmoe"])
 def test_export_scores_exactly_as_evaluation(tmp_path, model, embedding):
@@ -90,6 +91,7 @@ def dlrm_export(tmp_path_factory):
     return trainer, data, dr.export(trainer.model, str(tmp / "e"), schema=trainer.schema, step=3)
 
 
+@pytest.mark.slow
 def test_json_rows_score_as_the_reader_batch(dlrm_export):
     trainer, data, path = dlrm_export
     served = dr.serving.load(path)
@@ -128,6 +130,7 @@ def test_a_corrupt_export_is_refused_naming_the_file(dlrm_export, tmp_path):
         dr.serving.load(path)
 
 
+@pytest.mark.slow
 def test_cli_export_of_a_checkpoint_scores_as_the_trained_model(tmp_path):
     from deeprec.cli import main
 
@@ -146,6 +149,7 @@ def _online_cfg(tmp_path, steps, **kw):
                               embedding="variable", progress=False, seed=2, export_compile=False, **kw)
 
 
+@pytest.mark.slow
 def test_deltas_bring_the_served_model_to_the_trained_one(tmp_path):
     exports = tmp_path / "exports"
     trainer = Trainer(_online_cfg(tmp_path, 11, export_dir=str(exports), export_every=5, export_incremental_every=2))

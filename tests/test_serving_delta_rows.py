@@ -23,6 +23,7 @@ def _row_delta(live, name: str, keys: torch.Tensor, values: torch.Tensor) -> str
     return base + ".json"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["dim", "keys"])
 def test_a_delta_with_rows_of_the_wrong_shape_is_refused(dlrm, tmp_path, shape):  # noqa: F811
     path, _ = dlrm

@@ -52,6 +52,7 @@ def _bad(reply, path, *words):
         assert word in body["error"], body
 
 
+@pytest.mark.slow
 def test_non_finite_and_out_of_range_dense_values_are_400_at_their_path(dlrm):
     path, rows = dlrm
     with _client(path) as client:
@@ -90,6 +91,7 @@ def test_deep_nesting_is_400(dlrm):
         _bad(client.post("/v1/predict", json=deep), "$.inputs.I3[0]")
 
 
+@pytest.mark.slow
 def test_malformed_din_sequences_are_400_at_their_path(din):
     path, rows = din
     served = dr.serving.load(path)
@@ -190,6 +192,7 @@ def _dense(model):
             if v.is_floating_point() and "sorted_keys" not in k and k.endswith("weight")}
 
 
+@pytest.mark.slow
 def test_a_nan_delta_is_refused_and_the_server_keeps_its_version(dlrm, tmp_path, caplog):
     path, rows = dlrm
     live = _export_dir(tmp_path, path)
@@ -227,6 +230,7 @@ def test_a_nan_delta_is_refused_and_the_server_keeps_its_version(dlrm, tmp_path,
         dr.serving.load(str(live))
 
 
+@pytest.mark.slow
 def test_a_nan_full_export_is_refused_at_load(dlrm, tmp_path):
     path, _ = dlrm
     live = _export_dir(tmp_path, path)
@@ -280,6 +284,7 @@ def real_server(dlrm, tmp_path_factory):
     proc.wait(20)
 
 
+@pytest.mark.slow
 def test_real_server_answers_each_case(real_server):
     url, rows, proc = real_server
     auth = {"Authorization": "Bearer t0ken"}

@@ -31,6 +31,7 @@ def _rows(rows, start, n):
     return {k: v[start:start + n] for k, v in rows.items()}
 
 
+@pytest.mark.slow
 def test_predict_returns_the_models_scores(server):
     url, served, rows = server
     for n in (1, 5, 64):
@@ -83,6 +84,7 @@ def test_health_and_metrics(server):
     assert "deeprec_request_latency_seconds_bucket" in metrics
 
 
+@pytest.mark.slow
 def test_serve_follows_new_deltas_without_a_restart(tmp_path):
     import shutil
     import time
@@ -117,6 +119,7 @@ def test_serve_follows_new_deltas_without_a_restart(tmp_path):
         proc.wait(20)
 
 
+@pytest.mark.slow
 def test_an_over_limit_body_is_a_413_that_every_client_reads(server):
     """The server drains the rest of the body before it answers: answering and closing while the client
     still sends resets the connection, and urllib (which writes the whole body first) saw the reset."""

@@ -63,6 +63,7 @@ def _equal(a, b) -> bool:
     return torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_every_sample_row_sent_as_the_file_holds_it_scores_as_evaluate(trained):
     data, schema, ckpt, export, tmp = trained
     columns = _file_columns(data, schema)
@@ -91,6 +92,7 @@ def test_every_sample_row_sent_as_the_file_holds_it_scores_as_evaluate(trained):
     torch.testing.assert_close(torch.cat(parts), want, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_missing_is_null_is_empty_is_absent_and_numbers_may_be_text(trained):
     data, schema, _, export, _ = trained
     served = dr.serving.load(export)

@@ -73,6 +73,7 @@ def _v2_inputs(served, rows):
 
 # -- in process (Starlette's TestClient: the whole ASGI path) ----------------------------------------
 
+@pytest.mark.slow
 def test_instances_score_as_columns_and_tf_serving_routes_answer_its_shapes(dlrm):
     path, rows = dlrm
     served = dr.serving.load(path)
@@ -144,6 +145,7 @@ def test_v2_json_infer_and_errors_naming_the_input(dlrm):
         assert reply.status_code == 404 and "nope" in reply.json()["error"] and "dlrm" in reply.json()["error"]
 
 
+@pytest.mark.slow
 def test_multi_task_model_answers_one_output_per_label(mmoe):
     path, rows = mmoe
     served = dr.serving.load(path)
@@ -164,6 +166,7 @@ def test_multi_task_model_answers_one_output_per_label(mmoe):
         assert np.array_equal(np.array(columns[served.labels[1]], np.float32), want[:, 1])
 
 
+@pytest.mark.slow
 def test_a_repository_serves_each_export_under_its_folder_name(dlrm, din, tmp_path):
     repo = tmp_path / "repo"
     shutil.copytree(dlrm[0], repo / "ctr")
@@ -196,6 +199,7 @@ def test_a_repository_serves_each_export_under_its_folder_name(dlrm, din, tmp_pa
         open_repository(str(repo))
 
 
+@pytest.mark.slow
 def test_a_single_export_is_served_under_its_folder_name_or_model_name(dlrm, tmp_path):
     """A custom model's manifest names it module:attribute (a file path): no URL could address it."""
     copy = tmp_path / "my-ctr"

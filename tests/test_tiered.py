@@ -211,6 +211,7 @@ def test_trainer_with_ssd_tier_trains_like_dram_and_reports_tiers(tmp_path, uniq
     assert os.listdir(tmp_path / "t") == []  # the disk tier's files are unlinked at creation
 
 
+@pytest.mark.slow
 def test_a_killed_tiered_run_resumes_from_its_checkpoint(tmp_path, unique_tsv):
     config = tmp_path / "run.toml"
     config.write_text('[model_overrides]\nbottom_mlp = [32, 16]\ntop_mlp = [32]\n')

@@ -142,6 +142,7 @@ def test_smart_stage_checkpoint_holds_the_consumed_position(tmp_path, unique_tsv
     _assert_same_state(full, resumed)
 
 
+@pytest.mark.slow
 def test_smart_stage_in_a_process_resumes_exactly(tmp_path, unique_tsv, small_model):
     full = Trainer(_cfg(unique_tsv, tmp_path / "full", small_model, steps=30))
     full.train()
