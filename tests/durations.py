@@ -17,7 +17,7 @@ from scheduling import DURATIONS, scope_of
 def main(report: str) -> None:
     seconds: collections.Counter = collections.Counter()
     for case in ElementTree.parse(report).iter("testcase"):
-        module = case.get("classname", "").split(".")[1]  # tests.test_docs[.Class]
+        module = next(p for p in case.get("classname", "").split(".") if p.startswith("test_"))  # tests.test_x[.Class]
         seconds[scope_of(module, case.get("name", ""))] += float(case.get("time", 0))
     with open(DURATIONS, "w") as f:
         json.dump({k: round(v, 1) for k, v in seconds.most_common()}, f, indent=0)

@@ -20,6 +20,7 @@ import json
 import os
 import re
 
+import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -51,8 +52,11 @@ def scope_of(module: str, test: str) -> str:
 
 
 def _scope_of_nodeid(nodeid: str) -> str:
+    """tests/test_docs.py[::Class]::test_x[params] -> scope_of("test_docs", "test_x[params]") (a
+    parameter id may hold "::": a docs command with --host ::)."""
     path, _, test = nodeid.partition("::")
-    return scope_of(os.path.splitext(os.path.basename(path))[0], test.rpartition("::")[2])
+    name, bracket, params = test.partition("[")
+    return scope_of(os.path.splitext(os.path.basename(path))[0], name.rpartition("::")[2] + bracket + params)
 
 
 def load_durations() -> dict[str, float]:
@@ -75,9 +79,14 @@ def sort_longest_first(items, seconds: dict[str, float] | None = None) -> None:
 
 
 class UnitScheduling(LoadScopeScheduling):
-    """xdist's scope scheduling with scope_of's units, handed out one at a time: a worker asks for
-    the next unit when its own has one test left (xdist's loadscope hands out two at the start,
-    which can leave a long unit queued behind another on a busy worker while the other one idles)."""
+    """xdist's scope scheduling with scope_of's units, in collection order (the longest first: xdist
+    would reorder them by their number of tests), handed out one at a time: a worker gets the next
+    unit when its own has one test left (xdist's loadscope hands out two at the start, which can
+    leave a long unit queued behind another on a busy worker while the other one idles)."""
+
+    def __init__(self, config, log=None):
+        super().__init__(config, log)
+        config.option.loadscopereorder = False
 
     def _split_scope(self, nodeid: str) -> str:
         return _scope_of_nodeid(nodeid)
@@ -93,6 +102,7 @@ class UnitScheduling(LoadScopeScheduling):
         self._assign_work_unit(node)
 
 
+@pytest.hookimpl(optionalhook=True)  # a run without xdist (-p no:xdist) has no such hook
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") == "loadfile":
         return UnitScheduling(config, log)

@@ -12,10 +12,12 @@ from deeprec.serving import compile_cache
 from waits import wait_until
 
 
-def _blocked_flocks() -> int:
-    """Lock requests waiting in the kernel (/proc/locks lists a waiter as '<n>: -> FLOCK ...')."""
+def _waiting_on(path) -> int:
+    """Lock requests waiting in the kernel on the file `path` (/proc/locks lists a waiter as
+    '<n>: -> FLOCK ADVISORY WRITE <pid> <major>:<minor>:<inode> 0 EOF'; other tests' locks are not counted)."""
+    inode = os.stat(path).st_ino
     with open("/proc/locks") as f:
-        return sum(1 for line in f if "->" in line and "FLOCK" in line)
+        return sum(1 for line in f if "->" in line and "FLOCK" in line and line.split()[6].endswith(f":{inode}"))
 
 
 def test_a_second_claim_of_a_key_waits_for_the_first_and_another_key_does_not(tmp_path, monkeypatch):
@@ -37,18 +39,19 @@ def test_a_second_claim_of_a_key_waits_for_the_first_and_another_key_does_not(tm
     holder = threading.Thread(target=first)
     holder.start()
     assert first_in.wait(60)
-    waiting_before = _blocked_flocks()
+    lock_file = tmp_path / "compiled" / "k1.lock"
+    assert _waiting_on(lock_file) == 0
     with compile_cache.claimed("k2"):  # another program: not held up
         events.append("other key in")
     waiter = threading.Thread(target=second)
     waiter.start()
-    wait_until(lambda: _blocked_flocks() > waiting_before, 60, "the second claim waiting on the lock")
+    wait_until(lambda: _waiting_on(lock_file) == 1, 60, "the second claim waiting on the lock")
     assert "second in" not in events
     release.set()
     holder.join(60)
     waiter.join(60)
     assert events == ["first in", "other key in", "first out", "second in"]
-    assert os.path.exists(tmp_path / "compiled" / "k1.lock")
+    assert _waiting_on(lock_file) == 0
 
 
 def test_a_cache_folder_that_cannot_be_written_claims_without_a_lock(tmp_path, monkeypatch):

@@ -122,7 +122,8 @@ def test_serve_follows_new_deltas_without_a_restart(tmp_path):
 @pytest.mark.slow
 def test_an_over_limit_body_is_a_413_that_every_client_reads(server):
     """The server drains the rest of the body before it answers: answering and closing while the client
-    still sends resets the connection, and urllib (which writes the whole body first) saw the reset."""
+    still sends resets the connection, and urllib (which writes the whole body first) saw the reset.
+    So does a 404 sent before the body is read."""
     import json
     import re
     import urllib.error
@@ -136,6 +137,7 @@ def test_an_over_limit_body_is_a_413_that_every_client_reads(server):
     try:
         line = proc.stdout.readline()
         assert line.startswith("listening on http://127.0.0.1:"), (line, proc.stderr.read() if proc.poll() else "")
+        assert proc.stdout.readline() == "model: dlrm\n"  # the export's folder name (_dlrm_export's)
         url = line.split()[-1] + "/v1/predict"
         body = json.dumps({"inputs": {"C1": ["68fd1e64" * 100] * 4000}}).encode()  # 3.2 MB
         assert len(body) > 3_000_000
@@ -147,6 +149,13 @@ def test_an_over_limit_body_is_a_413_that_every_client_reads(server):
         assert requests.post(url, data=body, timeout=60).status_code == 413
         assert httpx.post(url, content=body, timeout=60).status_code == 413
         chunked = httpx.post(url, content=iter([body[i:i + 65536] for i in range(0, len(body), 65536)]), timeout=60)
+        small = json.dumps({"inputs": {"C1": ["68fd1e64" * 100] * 180}}).encode()  # under the limit, never read
+        assert 100_000 < len(small) < 200_000
+        other = urllib.request.Request(url.replace("/v1/predict", "/v1/models/nope:predict"), data=small)
+        for _ in range(10):
+            with pytest.raises(urllib.error.HTTPError) as missing:
+                urllib.request.urlopen(other, timeout=60)
+            assert missing.value.code == 404 and "no model 'nope'" in missing.value.read().decode()
         # no length: read to past the limit ("N+ bytes"), the rest drained
         assert chunked.status_code == 413 and re.search(r": \d+\+ bytes", chunked.json()["error"])
     finally:

@@ -174,9 +174,9 @@ class Strategy(abc.ABC):
         return evaluate(model, batches, **columns)
 
     def export_writer(self, directory: str, model: nn.Module, schema, spec: str, updater: Updater,
-                      compile: bool = True):
-        """Writes full exports (compiled, if `compile`) and deltas of the trained model while it trains
-        (the chief's)."""
+                      compile: bool | None = None):
+        """Writes full exports (compiled, if `compile`; None: serving.compile_cache.compile_by_default)
+        and deltas of the trained model while it trains (the chief's)."""
         from deeprec.serving.online import ExportWriter
 
         return ExportWriter(directory, model, schema, spec, compile=compile)

@@ -7,9 +7,10 @@ for serving (serving.compiled binds the export's own tensors).
                                                                      └absent──> compiled, verified in a
                                                                                 child, then stored here
 
-An export holds the key's lock (claimed: <key>.lock, flock) from the lookup to the store, so that a
-second export of the same program at the same time (another process: a re-export while training
-exports, test workers) waits for the first one's package instead of compiling it too.
+An export holds the key's lock (claimed: <key>.lock, flock) from the lookup until its packages are
+checked and stored, so that a second export of the same program at the same time (another process: a
+re-export while training exports, test workers) waits for the first one's package instead of compiling
+it too. A lock file goes with its evicted entry (at worst a program is then compiled twice).
 
 The key is what the package depends on: the graph's code, every node's shape, dtype and stride, the
 shapes of the weights (and the values of the small ones, which inductor may fold in), torch, the
@@ -47,7 +48,7 @@ def compile_by_default() -> bool:
     """Whether an export compiles where no call says (`compile=None`, no --compile/--no-compile,
     no --export-compile/--no-export-compile): on, unless DEEPREC_EXPORT_COMPILE=0 (a development loop,
     a test suite, a job whose exports are served elsewhere)."""
-    value = os.environ.get(COMPILE_VARIABLE, "1").strip().lower()
+    value = os.environ.get(COMPILE_VARIABLE, "").strip().lower() or "1"  # set but empty: the default
     if value not in _SWITCH:
         from deeprec.errors import ConfigError
 
@@ -103,9 +104,13 @@ def claimed(key: str):
         fd = os.open(os.path.join(cache_folder(), f"{key}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:
         fd = None
-    try:
-        if fd is not None:
+    if fd is not None:
+        try:
             fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # a filesystem without flock (some NFS, FUSE): no lock
+            os.close(fd)
+            fd = None
+    try:
         yield
     finally:
         if fd is not None:

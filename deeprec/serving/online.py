@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from deeprec.atomic import sha256_file, write_with_manifest
 from deeprec.errors import ExportError
+from deeprec.serving import compile_cache
 from deeprec.serving.export import FORMAT, export
 from deeprec.serving.frozen import merged
 
@@ -82,7 +83,8 @@ class ExportWriter:
     def __init__(self, directory: str, model: torch.nn.Module, schema, model_name: str, keep: int = 2,
                  compile: bool | None = None):
         self.directory, self.model, self.schema, self.model_name, self.keep = directory, model, schema, model_name, keep
-        self.compile = compile
+        # DEEPREC_EXPORT_COMPILE read (and a bad value refused) now, not at the first export hours later
+        self.compile = compile_cache.compile_by_default() if compile is None else compile
         self.last_step: int | None = None
         self._marks: dict[str, int] = {}  # EmbeddingVariable -> its global_step at the last export
         os.makedirs(directory, exist_ok=True)

@@ -54,7 +54,7 @@ def model_name(path: str, given: str | None = None) -> str:
     answer: `given` (--model-name), else the folder's name, as Triton names a model by its folder
     (never a file path: a custom model's manifest names it by module:attribute, which no URL holds)."""
     name = given if given is not None else os.path.basename(os.path.normpath(os.path.abspath(path)))
-    if not NAME.match(name):
+    if not NAME.fullmatch(name) or not name.strip("."):  # "." and "..": clients normalize them away
         where = "--model-name" if given is not None else f"{path}: the folder's name"
         raise ServingError(f"{where} {name!r} cannot be a model's name in URLs: letters, digits, _ . - only"
                            + ("" if given is not None else "; give --model-name"))
@@ -81,7 +81,7 @@ def open_repository(path: str, name: str | None = None) -> tuple[dict[str, tuple
     models = {}
     for name in names:
         sub = os.path.join(path, name)
-        if not NAME.match(name):
+        if not NAME.fullmatch(name):
             raise ServingError(f"{sub}: a model's folder name is its name in URLs: letters, digits, _ . - only")
         if not (is_export(sub) or is_export_dir(sub)):
             raise ServingError(f"{sub}: neither an export (manifest.json) nor a training's export dir "

@@ -7,7 +7,7 @@
     GET  /v2, /v2/health/{live,ready}   the Open Inference Protocol (KServe v2, Triton): server, health,
     GET  /v2/models/{name}[/ready]      model metadata and readiness,
     POST /v2/models/{name}/infer        inference, JSON or binary tensors (protocols.py)
-    GET  /healthz, /metrics             {"status": "ok", "step": N, "model": NAME}; Prometheus text
+    GET  /healthz, /metrics             {"status": "ok", "step": N, "model": the manifest's}; Prometheus text
 
     request ──token? (401)──body <= max_body_bytes? (413)──decode + validate (400 naming the JSON path)──>
         the model's queue ──batcher: what queued while the last batch scored, up to max_batch rows──>
@@ -43,10 +43,9 @@ from deeprec.serving import RequestError
 from deeprec.serving import protocols as p
 from deeprec.serving.repository import Metrics, NonFinite, Served, model_name, open_repository
 
-MAX_BODY_BYTES = 8 << 20  # --max-body-bytes: a larger body is a 413, its rest read and dropped (drain)
-# What a 413 reads of the rest of the body before it answers, as nginx's lingering close: a server that
-# answers and closes while the client still sends resets the connection, and a client that writes its
-# whole body before reading (urllib) then sees the reset, never the 413. Beyond these, it closes anyway.
+MAX_BODY_BYTES = 8 << 20  # --max-body-bytes: a larger body is a 413, its rest read and dropped (_drain)
+# What a refusal (413, 401, 404) reads of the rest of the body before it answers, as nginx's lingering
+# close does (see scoring). Beyond these, it closes anyway.
 DRAIN_BYTES = 64 << 20
 DRAIN_S = 5.0
 MAX_ROWS = 8192  # --max-rows: rows of one request
@@ -55,14 +54,28 @@ log = logging.getLogger("deeprec.serve")
 
 
 class _TooLarge(Exception):
-    """A body over --max-body-bytes: (its size as far as known, whether the client is still sending it)."""
+    """A body over --max-body-bytes, of `size` bytes as far as read."""
+
+    def __init__(self, size: int):
+        super().__init__(size)
+        self.size = size
+
+
+def _declared_length(request: Request) -> int | None:
+    declared = request.headers.get("content-length")
+    return int(declared) if declared is not None and declared.isascii() and declared.isdigit() else None
 
 
 async def _drain(request: Request) -> None:
-    """Reads and drops the rest of the request's body, at most DRAIN_BYTES for DRAIN_S seconds (the
-    ASGI receive channel: the body's stream may be half consumed)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > DRAIN_BYTES:
+    """Reads and drops what is left of the request's body, at most DRAIN_BYTES for DRAIN_S seconds,
+    before a refusal is answered (the ASGI receive channel: the body may be half read). Nothing when
+    the body was read to its end, or when the client waits for `100 Continue` before sending it (the
+    refusal then spares it the upload)."""
+    state = getattr(request.state, "body", "unread")
+    if state == "read" or (state == "unread" and request.headers.get("expect", "").lower() == "100-continue"):
+        return
+    declared = _declared_length(request)
+    if declared == 0 or (declared or 0) > DRAIN_BYTES:
         return
     read = 0
     with contextlib.suppress(TimeoutError):
@@ -90,8 +103,9 @@ def make_app(models, max_batch: int = 256, max_wait_ms: float = 0.0, folder=None
              *, max_rows: int = MAX_ROWS, max_body_bytes: int = MAX_BODY_BYTES, token: str | None = None,
              name: str | None = None) -> Starlette:
     """`models`: a ServedModel, served as `name` (default: its export's folder name, or the followed
-    export dir's: repository.model_name), or {name: ServedModel} (a repository: metrics labelled by model). `folder`: the ExportFolder a model follows ({name: folder} for several);
-    new deltas and full exports in it are applied while serving. `token`: the scoring and model routes
+    export dir's: repository.model_name), or {name: ServedModel} (a repository: metrics labelled by
+    model). `folder`: the ExportFolder a model follows ({name: folder} for several); new deltas and
+    full exports in it are applied while serving. `token`: the scoring and model routes
     require `Authorization: Bearer <token>` (health, /v2 and /metrics stay open)."""
     labelled = isinstance(models, dict)
     if not labelled:
@@ -118,18 +132,24 @@ def make_app(models, max_batch: int = 256, max_wait_ms: float = 0.0, folder=None
         return found
 
     async def read_body(request: Request) -> bytes:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > max_body_bytes:
-            raise _TooLarge(int(declared), True)
+        """The body (inflated), at most max_body_bytes (more: _TooLarge). request.state.body says how far
+        it was read ("unread", "partial", "read"): a refusal drains the rest (_drain)."""
+        declared = _declared_length(request)
+        if declared is not None and declared > max_body_bytes:
+            raise _TooLarge(declared)
         chunks, size, more = [], 0, True
-        while more:  # ASGI's receive, not request.stream(): a 413 must know whether the client still sends
+        request.state.body = "partial"
+        while more:  # ASGI's receive, not request.stream(): a refusal must know whether the client still sends
             message = await request.receive()
             if message["type"] == "http.disconnect":
+                request.state.body = "read"  # nothing more will come
                 raise ClientDisconnect()
             chunk, more = message.get("body", b""), message.get("more_body", False)
             size += len(chunk)
+            if not more:
+                request.state.body = "read"
             if size > max_body_bytes:
-                raise _TooLarge(size, more)
+                raise _TooLarge(size)
             chunks.append(chunk)
         return _inflated(b"".join(chunks), request.headers.get("content-encoding"), max_body_bytes)
 
@@ -148,16 +168,20 @@ def make_app(models, max_batch: int = 256, max_wait_ms: float = 0.0, folder=None
         try:
             response = refused() if not authorized(request) else await answer(request, holder)
         except _TooLarge as err:
-            if err.args[1]:
-                await _drain(request)
-            response = _json({"error": f"the body is over {max_body_bytes} bytes (--max-body-bytes): {err.args[0]}"
+            response = _json({"error": f"the body is over {max_body_bytes} bytes (--max-body-bytes): {err.size}"
                                        f"{'+' if request.headers.get('content-length') is None else ''} bytes; "
                                        "split the request"}, 413, {"Connection": "close"})
+        except ClientDisconnect:  # gone before its body ended: nobody to answer, nothing to log
+            response = Response(status_code=499)
         except NonFinite:
             response = _json({"error": "the model gave non-finite scores (logged by the server)"}, 500)
         except Exception:  # a bug of the server, never the client's: logged with its traceback
             log.exception("predict failed")
             response = _json({"error": "internal error (logged by the server)"}, 500)
+        # a refusal sent before the body was read (401, 404, 413) waits for the rest of it: answering and
+        # closing while the client still sends resets the connection, and a client that writes its whole
+        # body before reading (urllib) sees the reset, never the answer
+        await _drain(request)
         name = holder[0].name if holder else None
         metrics.count(name, response.status_code)  # as sent
         if holder:
@@ -319,7 +343,7 @@ def _inflated(body: bytes, encoding: str | None, limit: int) -> bytes:
     except zlib.error as err:
         raise RequestError(f"the body is not {encoding.strip().lower()} ({err})") from None
     if len(out) > limit:
-        raise _TooLarge(len(out), False)  # the whole body was read
+        raise _TooLarge(len(out))
     if not inflater.eof:
         raise RequestError(f"the {encoding.strip().lower()} body ends before its end")
     return out
@@ -330,8 +354,9 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 8080, max_batch: int =
           max_rows: int = MAX_ROWS, max_body_bytes: int = MAX_BODY_BYTES, token: str | None = None,
           name: str | None = None) -> None:
     """Serve the export, export dir or model repository at `path` until interrupted; prints
-    `listening on http://host:port` when ready. `name`: a single export's name (default: its folder's). `threads`: torch intra-op threads of the scoring
-    threads (default: cores - 1, leaving one core to the event loop that parses requests)."""
+    `listening on http://host:port` when ready. `name`: a single export's name (default: its
+    folder's). `threads`: torch intra-op threads of the scoring threads (default: cores - 1, leaving
+    one core to the event loop that parses requests)."""
     from deeprec.security import is_loopback
 
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))

@@ -107,7 +107,7 @@ class ParameterServer(Strategy):
     def one_process_weights(cls, model: nn.Module, state: dict) -> dict:
         return one_process_state(model, state)
 
-    def export_writer(self, directory: str, model: nn.Module, schema, spec: str, updater, compile: bool = True):
+    def export_writer(self, directory: str, model: nn.Module, schema, spec: str, updater, compile: bool | None = None):
         from deeprec.serving.online import ExportWriter
 
         return PSExportWriter(ExportWriter(directory, self.twin, schema, spec, compile=compile), model, updater)
