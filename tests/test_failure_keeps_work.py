@@ -262,6 +262,22 @@ def test_a_delta_on_a_full_disk_is_an_export_error_and_leaves_nothing(full_fs, s
 
 
 
+def test_a_new_export_writer_sweeps_what_killed_writes_left(tmp_path, sample):
+    # a delta's temporary, safetensors' own temporary inside it (Rust's tempfile), a staging folder, a set-aside
+    # full export; the served exports, deltas and other names stay
+    left = [".delta-7.safetensors-x1y2.tmp", ".delta-7.json-a.tmp", ".tmpAXRD87", ".export-q9", "full-000000005.old-1"]
+    kept = ["full-000000005", "delta-000000006.json", "delta-000000006.safetensors", ".tmpfile-of-a-user", "notes"]
+    for name in left + kept:
+        if name.startswith((".export-", "full-")):
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "program.pt2").write_bytes(b"x")
+        else:
+            (tmp_path / name).write_bytes(b"x")
+    schema = resolve_schema([sample])
+    ExportWriter(str(tmp_path), load_model("dlrm", schema, **SMALL), schema, "dlrm", compile=False)
+    assert sorted(os.listdir(tmp_path)) == sorted(kept)
+
+
 def test_deeprec_export_onto_a_full_disk_is_one_line_naming_out(tmp_path, bad_tsv, full_fs, capsys):
     checkpoint = _one_checkpoint(tmp_path, bad_tsv)
     out = full_fs(4096) / "exp"

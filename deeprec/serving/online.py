@@ -37,12 +37,14 @@ from deeprec.serving.frozen import merged
 log = logging.getLogger("deeprec.serving")
 _FULL = re.compile(r"^full-(\d+)$")
 _DELTA = re.compile(r"^delta-(\d+)\.json$")
-_STALE = re.compile(r"^(\.delta-\d+\.(json|safetensors)-.*\.tmp|\.export-.*|full-\d+\.old-\d+)$")
+# safetensors' save_file writes through a temporary of its own (Rust's tempfile: ".tmp" + 6 characters) in
+# the target's folder, renamed onto our temporary: a writer killed inside it leaves that name behind
+_STALE = re.compile(r"^(\.delta-\d+\.(json|safetensors)-.*\.tmp|\.tmp[A-Za-z0-9]{6}|\.export-.*|full-\d+\.old-\d+)$")
 
 
 def remove_stale_temporaries(directory: str) -> list[str]:
-    """What a killed writer left in an export dir (a delta's temporary file, a full export's staging
-    folder, an older full export set aside): serving never reads those names; a new writer (the one
+    """What a killed writer left in an export dir (a delta's temporary file, safetensors' own, a full
+    export's staging folder, an older full export set aside): serving never reads those names; a new writer (the one
     writer of the folder, before it writes) removes them."""
     stale = [os.path.join(directory, n) for n in os.listdir(directory) if _STALE.match(n)]
     for path in stale:
