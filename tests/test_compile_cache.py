@@ -82,3 +82,43 @@ def test_a_bad_compile_variable_is_one_line_naming_it(tmp_path, sample, monkeypa
     monkeypatch.setenv("DEEPREC_EXPORT_COMPILE", "0")  # no --compile given: the traced program only
     assert main(["export", "--checkpoint", str(ck), "--out", str(tmp_path / "e")]) == 0
     assert not [name for name in os.listdir(tmp_path / "e") if name.endswith(".pt2") and name != "program.pt2"]
+
+
+def test_the_key_follows_what_inductor_generates_not_where_it_caches(monkeypatch):
+    import torch
+
+    class Scale(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    program = torch.export.export(Scale(), (torch.ones(3),))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    before = compile_cache.program_key(program, "cpu", {}, [])
+    # inductor sets TORCHINDUCTOR_CACHE_DIR at its first compile: the same program keeps its key after it
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/elsewhere")
+    assert compile_cache.program_key(program, "cpu", {}, []) == before
+    monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE", "1")  # this one changes the code
+    assert compile_cache.program_key(program, "cpu", {}, []) != before
+
+
+@pytest.mark.slow(reason="an AOTInductor compile of a one-op program (about 10 s)")
+def test_a_program_compiled_twice_in_one_process_is_compiled_once(tmp_path, monkeypatch):
+    import contextlib
+
+    import torch
+
+    from deeprec.serving.compiled import compile_package
+
+    class Scale(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    monkeypatch.setenv("DEEPREC_CACHE", str(tmp_path / "cache"))
+    program = torch.export.export(Scale(), (torch.ones(3),))
+    with contextlib.ExitStack() as held:
+        key = compile_package(program, str(tmp_path / "a.pt2"), "cpu", held)
+        assert key is not None  # compiled here
+        compile_cache.store(key, str(tmp_path / "a.pt2"))
+    with contextlib.ExitStack() as held:  # inductor changed its options and environment at the first compile
+        assert compile_package(program, str(tmp_path / "b.pt2"), "cpu", held) is None  # copied from the cache
+    assert os.path.getsize(tmp_path / "b.pt2") == os.path.getsize(tmp_path / "a.pt2")

@@ -32,6 +32,10 @@ import torch
 
 MAX_ENTRIES = 16
 _SMALL = 64  # weights of at most this many values enter the key by value (a folded scalar is never stale)
+# inductor's variables that say where and how it works, not what it generates; inductor itself sets
+# TORCHINDUCTOR_CACHE_DIR in the environment at its first compile, which made a process's later keys differ
+_WHERE_NOT_WHAT = ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE",
+                   "TORCHINDUCTOR_COMPILE_THREADS", "TORCHINDUCTOR_WORKER_START")
 
 
 def cache_folder() -> str:
@@ -83,7 +87,7 @@ def program_key(program: torch.export.ExportedProgram, device: str, options: dic
             h.update(b"\0")
 
     add(torch.__version__, sys.version, _ops_library(), sorted(options.items()), device, " ".join(flags),
-        sorted((k, v) for k, v in os.environ.items() if k.startswith("TORCHINDUCTOR_")))
+        sorted((k, v) for k, v in os.environ.items() if k.startswith("TORCHINDUCTOR_") and k not in _WHERE_NOT_WHAT))
     add(program.graph_module.code, program.graph_signature, program.call_spec, program.range_constraints)
     for node in program.graph.nodes:
         add(node.name, _describe(node.meta.get("val")))

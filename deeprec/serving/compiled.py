@@ -57,7 +57,8 @@ def compile_package(program: torch.export.ExportedProgram, path: str, device: st
     held.enter_context(compile_cache.claimed(key))
     if compile_cache.fetch(key, path):
         return None
-    torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=_COMPILE_OPTIONS)
+    # a copy: inductor adds its own entries to the dict it is given, which would change the next key
+    torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=dict(_COMPILE_OPTIONS))
     return key
 
 
