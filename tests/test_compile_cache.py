@@ -84,14 +84,18 @@ def test_a_bad_compile_variable_is_one_line_naming_it(tmp_path, sample, monkeypa
     assert not [name for name in os.listdir(tmp_path / "e") if name.endswith(".pt2") and name != "program.pt2"]
 
 
-def test_the_key_follows_what_inductor_generates_not_where_it_caches(monkeypatch):
+def _one_op_program():
     import torch
 
     class Scale(torch.nn.Module):
         def forward(self, x):
             return x * 2
 
-    program = torch.export.export(Scale(), (torch.ones(3),))
+    return torch.export.export(Scale(), (torch.ones(3),))
+
+
+def test_the_key_follows_what_inductor_generates_not_where_it_caches(monkeypatch):
+    program = _one_op_program()
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     before = compile_cache.program_key(program, "cpu", {}, [])
     # inductor sets TORCHINDUCTOR_CACHE_DIR at its first compile: the same program keeps its key after it
@@ -105,16 +109,10 @@ def test_the_key_follows_what_inductor_generates_not_where_it_caches(monkeypatch
 def test_a_program_compiled_twice_in_one_process_is_compiled_once(tmp_path, monkeypatch):
     import contextlib
 
-    import torch
-
     from deeprec.serving.compiled import compile_package
 
-    class Scale(torch.nn.Module):
-        def forward(self, x):
-            return x * 2
-
     monkeypatch.setenv("DEEPREC_CACHE", str(tmp_path / "cache"))
-    program = torch.export.export(Scale(), (torch.ones(3),))
+    program = _one_op_program()
     with contextlib.ExitStack() as held:
         key = compile_package(program, str(tmp_path / "a.pt2"), "cpu", held)
         assert key is not None  # compiled here
