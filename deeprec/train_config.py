@@ -77,7 +77,7 @@ class ModelConfig:
 
 @dataclass
 class OptimizerConfig:
-    """How the parameters are updated: torch.optim for dense ones, its row-sparse twin for embeddings."""
+    """How the parameters are updated: the fused dense optimizer (torch.optim's kernels), its row-sparse twin for embeddings."""
 
     name: str = option("adam", flag="--optimizer", choices=OPTIMIZERS)
     """optimizer of every parameter (DeepRec modelzoo default: adam)"""

@@ -1,8 +1,8 @@
-"""Optimizers for models mixing sparse-gradient embeddings and dense layers.
+"""Optimizers for models mixing embeddings and dense layers.
 
-torch.optim.Adagrad and SGD accept sparse gradients directly; Adam does not,
-so "adam" pairs torch.optim.SparseAdam (embeddings with sparse=True) with
-torch.optim.Adam (everything else).
+Dense parameters step through `DenseOptimizer` (deeprec/optim/fused.py: torch.optim's fused
+kernels, one call a step). Its Adagrad and SGD also take sparse gradients (nn.Embedding with
+sparse=True); Adam does not, so "adam" pairs torch.optim.SparseAdam (those embeddings) with it.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from torch import nn
 
 from deeprec.errors import check_choice
 from deeprec.nn.lookup import embedding_lookups
+from deeprec.optim.fused import DenseOptimizer
 from deeprec.optim.sparse import row_sparse_optimizer
 
 OPTIMIZERS = ("adagrad", "adam", "sgd")  # the names make_optimizer (and `deeprec train --optimizer`) takes
@@ -23,11 +24,11 @@ def sparse_parameters(model: nn.Module) -> set[int]:
 
 
 class OptimizerGroup:
-    """Several torch optimizers stepped as one (state_dict keeps them apart), and the
+    """Several optimizers (DenseOptimizer, torch.optim's) stepped as one (state_dict keeps them apart), and the
     embedding lookups (`deeprec.nn.EmbeddingLookup`) whose row-sparse update was kept for
     the step (micro-batching: rows seen in several micro-batches are merged, then updated once)."""
 
-    def __init__(self, optimizers: list[torch.optim.Optimizer], lookups: list = ()):
+    def __init__(self, optimizers: list, lookups: list = ()):
         self.optimizers, self.lookups = optimizers, list(lookups)
 
     def step(self) -> None:
@@ -68,24 +69,24 @@ def make_optimizer(model: nn.Module, name: str = "adagrad", lr: float = 0.05) ->
     also applies embedding rows kept over micro-batches."""
     check_choice("optimizer", name, OPTIMIZERS)
     lookups = attach_row_sparse(model, name, lr)
-    return OptimizerGroup(torch_optimizers(model, name, lr), lookups)
+    return OptimizerGroup(dense_optimizers(model, name, lr), lookups)
 
 
-def torch_optimizers(model: nn.Module, name: str, lr: float) -> list[torch.optim.Optimizer]:
-    """torch.optim's `name` over the model's trainable parameters (Adam: SparseAdam for
-    sparse-gradient embeddings)."""
+def dense_optimizers(model: nn.Module, name: str, lr: float) -> list:
+    """`name` over the model's trainable parameters: a DenseOptimizer (Adam: torch.optim.SparseAdam
+    for sparse-gradient embeddings beside it). torch.optim's state_dict format, as before."""
     check_choice("optimizer", name, OPTIMIZERS)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         return []
     if name == "adagrad":
-        return [torch.optim.Adagrad(params, lr=lr, initial_accumulator_value=0.1)]
+        return [DenseOptimizer(params, "adagrad", lr=lr, initial_accumulator_value=0.1)]
     if name == "sgd":
-        return [torch.optim.SGD(params, lr=lr)]
+        return [DenseOptimizer(params, "sgd", lr=lr)]
     sparse_ids = sparse_parameters(model)
     sparse = [p for p in params if id(p) in sparse_ids]
     dense = [p for p in params if id(p) not in sparse_ids]
-    group = [torch.optim.Adam(dense, lr=lr)] if dense else []
+    group = [DenseOptimizer(dense, "adam", lr=lr)] if dense else []
     if sparse:
         group.append(torch.optim.SparseAdam(sparse, lr=lr))
     return group

@@ -203,7 +203,7 @@ class Strategy(abc.ABC):
 
 
 class LocalStrategy(Strategy):
-    """Every parameter in this process: torch.optim for dense ones, row-sparse optimizers attached
+    """Every parameter in this process: DenseOptimizer (fused) for dense ones, row-sparse optimizers attached
     to the embeddings."""
 
     def prepare(self, model: nn.Module, cfg, device: torch.device) -> Updater:

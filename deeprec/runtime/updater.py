@@ -45,7 +45,7 @@ class Updater(Protocol):
 
 
 class LocalUpdater:
-    """Parameters in this process: torch.optim for dense ones and the row-sparse
+    """Parameters in this process: DenseOptimizer (fused) for dense ones and the row-sparse
     optimizers attached to the embeddings (`deeprec.optim.make_optimizer`)."""
 
     def __init__(self, model: nn.Module, optimizer):

@@ -27,7 +27,7 @@ from deeprec.errors import ConfigError, check_choice
 from deeprec.nn.collection import EmbeddingCollection, FusedLookup
 from deeprec.nn.variable import EmbeddingVariable
 from deeprec.nn.lookup import EmbeddingLookup, RowGather, assemble
-from deeprec.optim.dense import OptimizerGroup, torch_optimizers
+from deeprec.optim.dense import OptimizerGroup, dense_optimizers
 from deeprec.nn.lookup import merge_rows
 
 
@@ -221,7 +221,7 @@ class PSUpdater:
         for remote in self.remotes:
             remote.deferred = self.deferred
         if dense == "allreduce":
-            self.optimizer = OptimizerGroup(torch_optimizers(model, optimizer, lr))
+            self.optimizer = OptimizerGroup(dense_optimizers(model, optimizer, lr))
             if num_workers > 1:
                 dense_params = list(self.dense.values())
                 join_process_group(rendezvous_from_env(worker_index, num_workers, master),
