@@ -44,8 +44,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TF_PYTHON = os.environ.get("DEEPREC_TF_PYTHON", os.path.join(ROOT, ".venv-tf", "bin", "python"))
 
 
-def train_rate(data: str, steps: int, **options) -> float:
-    cfg = TrainConfig.create(model="dlrm", data=[data], steps=steps, optimizer="adagrad", lr=0.01, batch_size=512,
+def train_rate(data: str, steps: int, model: str = "dlrm", **options) -> float:
+    cfg = TrainConfig.create(model=model, data=[data], steps=steps, optimizer="adagrad", lr=0.01, batch_size=512,
                              progress=False, **options)
     result = Trainer(cfg).train()
     return result["steady_samples_per_s"], result
@@ -92,10 +92,10 @@ def dataloader_rate(data: str, steps: int) -> float:
         torch.set_num_threads(threads)
 
 
-def tf_rate(data: str, steps: int, jit: bool) -> float | None:
+def tf_rate(data: str, steps: int, jit: bool, model: str = "dlrm") -> float | None:
     if not os.path.exists(TF_PYTHON):
         return None
-    cmd = [TF_PYTHON, os.path.join(ROOT, "bench", "tf_dlrm.py"), "--data", data, "--steps", str(steps)]
+    cmd = [TF_PYTHON, os.path.join(ROOT, "bench", "tf_dlrm.py"), "--data", data, "--steps", str(steps), "--model", model]
     done = subprocess.run(cmd + (["--jit"] if jit else []), capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         print(f"TensorFlow run failed: {done.stderr[-500:]}", file=sys.stderr)

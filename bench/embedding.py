@@ -132,7 +132,7 @@ class TorchRecDLRM(torch.nn.Module):
         d = self.dlrm
         bottom = d.bottom(dense)
         v = torch.cat([bottom.unsqueeze(1), emb], dim=1)
-        dots = torch.bmm(v, v.transpose(1, 2))[:, d.pair_rows, d.pair_cols]
+        dots = torch.bmm(v, v.transpose(1, 2)).flatten(1).index_select(1, d.pairs)
         logits = d.top(torch.cat([bottom, dots], dim=1)).squeeze(1)
         return {"loss": torch.nn.functional.binary_cross_entropy_with_logits(logits, label)}
 
