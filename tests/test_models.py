@@ -76,3 +76,22 @@ def test_learns_planted_click_model(name, synthetic):
     assert result["steps"] == 150
     assert result["eval"]["rows"] == 10_000
     assert result["eval"]["auc"] > 0.7, result["eval"]
+
+
+def test_dlrm_interaction_pairs_equal_the_lower_triangle_with_its_gradient():
+    """DLRM picks the pairwise dots by index_select over the flattened [n, n] matrix (its backward an
+    index_add): the same values and gradients as indexing the strict lower triangle."""
+    from deeprec.models import DLRM
+
+    model = DLRM()
+    n = int(round(model.pairs.numel() * 2) ** 0.5) + 1
+    rows, cols = torch.tril_indices(n, n, offset=-1)
+    vectors = torch.randn(64, n, 16, requires_grad=True)
+    twin = vectors.detach().clone().requires_grad_()
+    ours = torch.bmm(vectors, vectors.transpose(1, 2)).flatten(1).index_select(1, model.pairs)
+    plain = torch.bmm(twin, twin.transpose(1, 2))[:, rows, cols]
+    assert torch.equal(ours, plain)
+    grad = torch.randn_like(ours)
+    ours.backward(grad)
+    plain.backward(grad)
+    assert torch.equal(vectors.grad, twin.grad)
