@@ -7,9 +7,10 @@ from deeprec.models import build_model
 from deeprec.runtime import hardware
 
 
-def _pretend(monkeypatch, flags, capability="AVX2"):
+def _pretend(monkeypatch, flags, capability="AVX2", speedup=1.8):
     monkeypatch.setattr(hardware, "cpu_info", lambda: {"model": "Test CPU", "flags": set(flags),
                                                       "torch_capability": capability})
+    monkeypatch.setattr(hardware, "bf16_gemm_speedup", lambda: speedup)
 
 
 @pytest.mark.parametrize("flags,capability,expected", [
@@ -26,6 +27,19 @@ def test_bf16_auto_follows_the_cpu(monkeypatch, flags, capability, expected):
     assert f"bf16 auto: {'on' if expected else 'off'}: Test CPU" in text
     if not expected:
         assert "stays fp32" in text and fast.main_step is None  # nothing applied: the plain step runs
+
+
+def test_bf16_auto_stays_fp32_where_bf16_instructions_measure_slower(monkeypatch):
+    _pretend(monkeypatch, {"avx512f", "avx512_bf16"}, "AVX512", speedup=0.6)
+    fast = dr.optimize(build_model("dlrm", hash_buckets=100), dr.Config(bf16="auto"))
+    assert fast.config.bf16 is False
+    text = fast.explain()
+    assert "bf16 auto: off: Test CPU" in text and "measured 0.60x" in text and "stays fp32" in text
+
+
+def test_the_bf16_gemm_probe_measures_a_rate():
+    speedup = hardware.bf16_gemm_speedup()
+    assert 0.01 < speedup < 100
 
 
 def test_bf16_auto_on_the_real_machine_is_decided_and_explained():
