@@ -7,8 +7,11 @@ import os
 import pytest
 import torch
 
+import prefork
 from deeprec.cli import sample_path
 from deeprec.data import write_synthetic
+
+prefork.install()  # `python -m deeprec ...` started by a test is forked from a preloaded server (tests/prefork.py)
 
 
 def _thread_budget() -> int | None:

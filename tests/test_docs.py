@@ -187,10 +187,22 @@ def request_rows(export_dir: str) -> dict:
     return rows
 
 
+def plain_argv(text: str, env: dict) -> list[str] | None:
+    """A plain `deeprec ...` command (no shell syntax but quotes and a comment) as the argv bash would exec,
+    the program found on env's PATH; None for anything else."""
+    bare = re.sub(r"'[^']*'|\"[^\"]*\"", "''", text).split(" #")[0]
+    if not re.match(r"deeprec\s", bare) or re.search(r"[|&;<>$`()*?\[\]{}~\\\n]", bare):
+        return None
+    argv = shlex.split(text, comments=True)
+    program = shutil.which(argv[0], path=env.get("PATH"))
+    return [program, *argv[1:]] if program else None
+
+
 def serve(cmd: Command, cwd: str, env: dict) -> tuple[bool, str]:
     import httpx
 
-    argv = shlex.split(shrink(cmd.text), comments=True)
+    argv = plain_argv(shrink(cmd.text), env)
+    assert argv, cmd.text
     if "--port" in argv:
         argv[argv.index("--port") + 1] = "0"
     else:
@@ -224,7 +236,8 @@ def execute(cmd: Command, cwd: str, env: dict) -> tuple[bool, str]:
     elif re.match(r"deeprec serve\b", cmd.text):
         return serve(cmd, cwd, env)
     else:
-        argv = ["bash", "-c", shrink(cmd.text)]
+        # a plain deeprec command runs as bash would exec it (without bash: tests/prefork.py forks it)
+        argv = plain_argv(shrink(cmd.text), env) or ["bash", "-c", shrink(cmd.text)]
     started = time.monotonic()
     try:
         done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT)

@@ -276,6 +276,35 @@ def test_sigterm_to_launch_stops_and_reaps_every_process(tmp_path):
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z", pid
 
 
+def test_a_stop_signal_while_a_worker_starts_stops_that_worker_too(monkeypatch):
+    """The launcher's SIGTERM handler can run inside a worker's start, between its fork and its record
+    (the test above met it under load: the worker outlived the launcher). The stop then waits for the
+    record, and so reaches the new worker."""
+    import signal
+
+    from deeprec.distributed import launch as launch_module
+
+    children, seen = launch_module.Children(), []
+    handle = children.handler(lambda signum, frame: seen.append((signum, list(children.workers))))
+    real_popen = subprocess.Popen
+
+    def popen_signalled_midway(*args, **kwargs):
+        proc = real_popen(*args, **kwargs)
+        handle(signal.SIGTERM, None)  # as if SIGTERM landed here: forked, not yet recorded
+        assert seen == []
+        return proc
+
+    monkeypatch.setattr(launch_module.subprocess, "Popen", popen_signalled_midway)
+    proc = children.start([sys.executable, "-c", "import time; time.sleep(60)"], worker=True)
+    try:
+        assert seen == [(signal.SIGTERM, [proc])] and children.workers == [proc] and children == [proc]
+        handle(signal.SIGINT, None)  # once started, a signal is acted on at once
+        assert seen[-1] == (signal.SIGINT, [proc])
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
 def test_a_repeated_push_is_applied_once_and_a_stale_caller_is_refused(ps):
     """Exactly-once retries: a Push (or training Pull) sent again with its (client, seq) gets its first
     reply without running again, sync pushes included; a caller that registered with another

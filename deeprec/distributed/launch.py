@@ -155,7 +155,7 @@ def launch(num_ps: int | None, num_workers: int, protocol: str, train_args: list
     in_main = threading.current_thread() is threading.main_thread()
     if in_main:
         for sig in previous:
-            signal.signal(sig, forward)
+            signal.signal(sig, children.handler(forward))
     try:
         if collective:
             return _run_collective(num_workers, train_args, out, env, children, max_restarts)
@@ -179,11 +179,9 @@ def _run(num_ps: int, num_workers: int, protocol: str, train_args: list[str], ou
          children: Children) -> int:
     ps_addresses = []
     for i in range(num_ps):
-        proc = subprocess.Popen([sys.executable, "-m", "deeprec.distributed.ps", "--bind", "127.0.0.1:0",
-                                 "--shard", str(i), "--num-shards", str(num_ps), "--workers", str(num_workers)],
-                                stdout=subprocess.PIPE, text=True, env=env, start_new_session=True,
-                                preexec_fn=die_with_parent())
-        children.append(proc)
+        proc = children.start([sys.executable, "-m", "deeprec.distributed.ps", "--bind", "127.0.0.1:0", "--shard",
+                               str(i), "--num-shards", str(num_ps), "--workers", str(num_workers)],
+                              stdout=subprocess.PIPE, text=True, env=env)
         line = proc.stdout.readline()
         if "listening on" not in line:
             raise RuntimeError(f"PS {i} did not start: {line.strip() or 'no output'}")
@@ -247,6 +245,35 @@ class Children(list):
         self.workers: list[subprocess.Popen] = []
         self.stopping: int | None = None
         self.failure: tuple[int, int] | None = None  # (rank, exit code) of the last start's first failure
+        self.starting, self.deferred, self.on_signal = False, None, None
+
+    def handler(self, on_signal):
+        """`on_signal` as a signal handler that waits, while a child starts, until it is recorded."""
+        self.on_signal = on_signal
+
+        def handle(signum, frame):
+            if self.starting:  # between the child's fork and its record: act once it is recorded
+                self.deferred = signum
+            else:
+                on_signal(signum, frame)
+        return handle
+
+    def start(self, argv: list[str], worker: bool = False, **popen) -> subprocess.Popen:
+        """A child started in its own session, with PR_SET_PDEATHSIG, and recorded. A SIGTERM or SIGINT
+        that lands while it starts (its handler runs between two bytecodes of the start) is acted on once
+        the child is recorded: else the stop would miss it, and the child outlive the launcher."""
+        self.starting = True
+        try:
+            proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with_parent(), **popen)
+            self.append(proc)
+            if worker:
+                self.workers.append(proc)
+        finally:
+            self.starting = False
+        if self.deferred is not None:
+            signum, self.deferred = self.deferred, None
+            self.on_signal(signum, None)  # may raise SystemExit: the child is recorded, the stop reaps it
+        return proc
 
 
 def _run_workers(envs: list[dict], train_args: list[str], out, children: Children, all_or_none: bool = False,
@@ -257,12 +284,9 @@ def _run_workers(envs: list[dict], train_args: list[str], out, children: Childre
     procs, children.failure = [], None
     results = tempfile.mkdtemp(prefix="deeprec-launch-")  # each worker's result JSON: the job's totals
     for i, worker_env in enumerate(envs):
-        proc = subprocess.Popen([sys.executable, "-m", "deeprec.cli", *train_args],
-                                env=dict(worker_env, DEEPREC_LAUNCHED="1", DEEPREC_RESULT_DIR=results),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                preexec_fn=die_with_parent())
-        children.append(proc)
-        children.workers.append(proc)
+        proc = children.start([sys.executable, "-m", "deeprec.cli", *train_args], worker=True,
+                              env=dict(worker_env, DEEPREC_LAUNCHED="1", DEEPREC_RESULT_DIR=results),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         thread = threading.Thread(target=_stream, args=(f"worker{i}", proc.stdout, out), daemon=True)
         thread.start()
         procs.append((proc, thread))
