@@ -1,5 +1,6 @@
 import contextlib
 import csv
+import multiprocessing
 import subprocess
 import sys
 import os
@@ -12,6 +13,8 @@ from deeprec.cli import sample_path
 from deeprec.data import write_synthetic
 
 prefork.install()  # `python -m deeprec ...` started by a test is forked from a preloaded server (tests/prefork.py)
+# multiprocessing's forkserver (the stage process; the tests' ranks) imports torch and deeprec once
+multiprocessing.set_forkserver_preload(["deeprec.runtime.stage_process"])
 
 
 def _thread_budget() -> int | None:

@@ -11,7 +11,8 @@ import torch
 def main() -> None:
     print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "probe": os.environ.get("PROBE"),
                       "threads": torch.get_num_threads(), "torch_first": torch.rand(1).item(),
-                      "name": __name__, "stdout_tty": sys.stdout.isatty(), "main_module": sys.modules["__main__"].__name__,
+                      "name": __name__, "stdout_tty": sys.stdout.isatty(),
+                      "main_module": sys.modules["__main__"].__name__,
                       "random": random.random()}), flush=True)
     print("to stderr", file=sys.stderr)
     what = sys.argv[1] if len(sys.argv) > 1 else "0"

@@ -45,7 +45,8 @@ def _drain_rank(rank, init_file, out_dir, bucket_bytes):
 @pytest.mark.slow
 @pytest.mark.parametrize("bucket_bytes", [None, 16])
 def test_a_worker_whose_data_ended_drains_and_the_others_average_over_those_still_training(tmp_path, bucket_bytes):
-    mp.spawn(_drain_rank, args=(str(tmp_path / "init"), str(tmp_path), bucket_bytes), nprocs=WORLD, join=True)
+    mp.start_processes(_drain_rank, args=(str(tmp_path / "init"), str(tmp_path), bucket_bytes), nprocs=WORLD, join=True,
+                       start_method="forkserver")  # forked from a server that imported torch (conftest)
     ranks = [torch.load(tmp_path / f"drain{r}.pt") for r in range(WORLD)]
     assert ranks[0]["buckets"] == (1 if bucket_bytes is None else 3)
     assert len(ranks[0]["means"]) == 3 and len(ranks[1]["means"]) == 1
@@ -89,7 +90,8 @@ def _overlap_rank(rank, init_file, out_dir):
 
 @pytest.mark.slow
 def test_collective_buckets_launch_from_the_backward_and_average_over_the_world(tmp_path):
-    mp.spawn(_overlap_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.start_processes(_overlap_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True,
+                       start_method="forkserver")  # forked from a server that imported torch (conftest)
     ranks = [torch.load(tmp_path / f"overlap{r}.pt") for r in range(WORLD)]
     assert ranks[0]["buckets"] > 1 and ranks[0]["launched"] == ranks[0]["buckets"]  # all before apply
     assert ranks[0]["numel"] == 6 * 32 + 32 + 32 * 32 + 32 + 32 + 1

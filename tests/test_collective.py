@@ -113,7 +113,8 @@ def test_fixed_tables_sharded_row_and_table_wise_equal_one_process(tmp_path):
     from deeprec.distributed.collective.reshard import merge_rank_states
     from deeprec.distributed.collective.planner import FixedShard, plan_tables
 
-    mp.spawn(_rank_fixed, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.start_processes(_rank_fixed, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True,
+                       start_method="forkserver")  # forked from a server that imported torch (conftest)
     reference = Tiny(fixed=True)
     train(reference, make_optimizer(reference, "adagrad", 0.05), global_batches())
     ranks = [torch.load(tmp_path / f"fixed{r}.pt") for r in range(WORLD)]
@@ -189,7 +190,8 @@ def test_a_nan_on_one_rank_stops_every_rank_with_nothing_applied(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_rank_nan, args=(port, str(tmp_path)), nprocs=WORLD, join=True)
+    mp.start_processes(_rank_nan, args=(port, str(tmp_path)), nprocs=WORLD, join=True,
+                       start_method="forkserver")  # forked from a server that imported torch (conftest)
     ranks = [torch.load(tmp_path / f"nan{r}.pt") for r in range(WORLD)]
     assert ranks[1]["stopped"][0] == ranks[0]["stopped"][0] == 3  # both stop at the 4th step, neither hangs
     assert "on this rank" in ranks[1]["stopped"][1] and "averaged over the ranks" in ranks[0]["stopped"][1]
@@ -204,7 +206,8 @@ def test_a_nan_on_one_rank_stops_every_rank_with_nothing_applied(tmp_path):
 
 @pytest.mark.slow
 def test_two_ranks_equal_one_process_on_the_global_batch(tmp_path):
-    mp.spawn(_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.start_processes(_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True,
+                       start_method="forkserver")  # forked from a server that imported torch (conftest)
     reference = Tiny()
     train(reference, make_optimizer(reference, "adagrad", 0.05), global_batches())
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]

@@ -117,7 +117,8 @@ CASES += [pytest.param(name, "ddp", marks=pytest.mark.slow)  # a variable's two 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,mode", CASES)
 def test_two_ranks_equal_one_process_on_the_global_batch(tmp_path, name, mode):
-    mp.spawn(_rank, args=(_free_port(), str(tmp_path), name, mode), nprocs=WORLD, join=True)
+    mp.start_processes(_rank, args=(_free_port(), str(tmp_path), name, mode), nprocs=WORLD, join=True,
+                       start_method="forkserver")  # forked from a server that imported torch (conftest)
     reference = build(name)
     optimizer = make_optimizer(reference, "adagrad", 0.05)
     for batch in global_batches():

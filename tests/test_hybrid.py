@@ -76,7 +76,7 @@ def test_hybrid_sync_two_workers_equal_one_process_on_the_concatenated_batches(u
         pass
     with running_ps("--bind", "127.0.0.1:0", "--workers", "2") as (_, line):
         address = line.split()[-1]
-        ctx = multiprocessing.get_context("spawn")
+        ctx = multiprocessing.get_context("forkserver")  # forked from a server that imported torch (conftest)
         results = ctx.Queue()
         port = free_port()
         procs = [ctx.Process(target=hybrid_worker, args=(rank, address, port, unique_tsv, results))

@@ -9,15 +9,19 @@ worker process has its own interpreter:
     runner thread (main process): unpack as tensor views -> bounded buffer -> step
 
 The header is JSON and the payload raw bytes: nothing received is unpickled.
-The worker starts with multiprocessing's "spawn" (no fork of a threaded
-process), so the reader and the stage must be picklable; the stage is a
-torch.fx GraphModule, which is.
+The worker starts with multiprocessing's "forkserver" (no fork of the threaded
+training process): forked from a server process that imported torch and this
+module once, so a second start (SmartStage auto's trial, then the run) costs a
+fork, not another ~2 CPU-s import of torch. The reader and the stage must be
+picklable (the stage is a torch.fx GraphModule, which is); the worker runs with
+the environment of its start, as a spawned one does.
 """
 from __future__ import annotations
 
 import importlib
 import json
 import multiprocessing
+import os
 import pickle
 import signal
 import traceback
@@ -139,7 +143,9 @@ def _send(conn, header: dict, payload: bytes = b"") -> None:
         conn.send_bytes(payload)
 
 
-def _worker(conn, source, stage_fn, closed_types, ignored_types) -> None:
+def _worker(conn, source, stage_fn, closed_types, ignored_types, environ: dict) -> None:
+    os.environ.clear()  # the trainer's environment now (the fork server holds the one of its own start)
+    os.environ.update(environ)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the trainer's to handle: it stops this process
     torch.set_num_threads(1)
     iterator = iter(source)
@@ -179,10 +185,11 @@ class ProcessSource:
     """Iterator over stage results computed in a spawned worker process."""
 
     def __init__(self, source, stage_fn, closed_types: tuple, ignored_types: tuple, name: str = "stage"):
-        ctx = multiprocessing.get_context("spawn")
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__])  # read once, when the server starts
         self._conn, child = ctx.Pipe(duplex=False)
         self.process = ctx.Process(target=_worker, args=(child, source, stage_fn, tuple(closed_types),
-                                                         tuple(ignored_types)),
+                                                         tuple(ignored_types), dict(os.environ)),
                                    name=f"deeprec-{name}-process", daemon=True)
         try:
             self.process.start()
