@@ -30,7 +30,7 @@ def _thread_budget() -> int | None:
 _threads = _thread_budget()
 if _threads is not None:
     torch.set_num_threads(_threads)
-    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):  # numpy's BLAS pool too
         os.environ.setdefault(_var, str(_threads))
 
 

@@ -12,8 +12,9 @@ temporary working folder (and so does the README's Python example).
   `DEEPREC_CACHE` points into the temporary folder; `DEEPREC_EXPORT_COMPILE=0`: exports hold the
   traced program only (the compiled packages of the zoo and of an own model are
   tests/test_serving_compiled.py's and tests/test_own_model.py's; one costs 20-60 s).
-- Sizes: `--synthetic N` runs with at most 20,000 rows and `deeprec data synth --rows N` with at
-  most 2,000; nothing else is changed.
+- Sizes: `--synthetic N` runs with at most 20,000 rows, `deeprec data synth --rows N` with at
+  most 2,000, and `--steps N` with at most 100 (not under `timeout`, whose signal must land
+  mid-run); nothing else is changed.
 - `deeprec serve ...` is started on a free port (`--port 0`); the test waits for its
   `listening on` line, sends one request holding every input column of the export's schema, and
   stops it.
@@ -40,6 +41,7 @@ PAGES = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.pa
                                if f.endswith(".md"))
 MAX_SYNTHETIC = 20_000
 MAX_SYNTH_ROWS = 2_000
+MAX_STEPS = 100
 TIMEOUT = 600
 
 
@@ -112,6 +114,8 @@ def shrink(text: str) -> str:
     text = re.sub(r"--synthetic (\d+)", lambda m: f"--synthetic {min(int(m.group(1)), MAX_SYNTHETIC)}", text)
     if "data synth" in text:
         text = re.sub(r"--rows (\d+)", lambda m: f"--rows {min(int(m.group(1)), MAX_SYNTH_ROWS)}", text)
+    if not text.startswith("timeout "):
+        text = re.sub(r"--steps (\d+)", lambda m: f"--steps {min(int(m.group(1)), MAX_STEPS)}", text)
     return text
 
 
