@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import threading
+import warnings
 
 PRELOAD = ("deeprec.cli", "deeprec.distributed.ps.shard", "deeprec.distributed.launch")
 MODULES = ("deeprec",)  # `python -m` of these packages (and their modules) is forked
@@ -35,7 +36,7 @@ _SERVER_ENV_DROP = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 # -- the client: a Popen that forks eligible commands from the server ----------------------------------------
 class _Server:
-    """The fork server of this process, started at the first eligible Popen; None once it failed."""
+    """The fork server of this process, started at the first eligible Popen."""
 
     def __init__(self):
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -45,8 +46,14 @@ class _Server:
                           env=env, stdin=subprocess.DEVNULL)
         theirs.close()
         self.sock, self.lock = mine, threading.Lock()
-        if self.call({"op": "ready"}).get("ready") is not True:
-            raise RuntimeError("the prefork server did not start")
+        try:
+            os.close(os.pidfd_open(self.proc.pid))  # Linux >= 5.3: how a child's exit is seen
+            if self.call({"op": "ready"}).get("ready") is not True:
+                raise RuntimeError("the prefork server did not start")
+        except BaseException:
+            self.proc.kill()
+            self.proc.wait()
+            raise
 
     def call(self, request: dict, fds: list[int] = ()) -> dict:
         with self.lock:
@@ -57,7 +64,7 @@ class _Server:
         return json.loads(reply)
 
 
-_server: _Server | None = None
+_server: _Server | None | bool = None  # False: it could not start (the commands are exec'd)
 _server_lock = threading.Lock()
 _Base = subprocess.Popen
 
@@ -66,8 +73,12 @@ def _get_server() -> _Server | None:
     global _server
     with _server_lock:
         if _server is None:
-            _server = _Server()
-        return _server
+            try:
+                _server = _Server()
+            except (OSError, RuntimeError) as err:  # e.g. no pidfd_open (Linux < 5.3): exec as before
+                warnings.warn(f"tests/prefork.py: no fork server ({err}); processes are exec'd", stacklevel=3)
+                _server = False
+        return _server or None
 
 
 def enabled() -> bool:

@@ -68,3 +68,15 @@ def test_only_deeprec_commands_are_forked(probe):
                                  False, None, None, None, -1)
     script = os.path.join(os.path.dirname(sys.executable), "deeprec")
     assert prefork._eligible([script, "--help"], None, None, True, (), None, False, None, None, None, -1)
+
+
+def test_without_a_server_commands_are_execd(probe, monkeypatch):
+    def no_server():
+        raise OSError("pidfd_open: not supported")
+
+    monkeypatch.setattr(prefork, "_server", None)
+    monkeypatch.setattr(prefork, "_Server", no_server)
+    with pytest.warns(UserWarning, match="no fork server"):
+        proc = probe(True)
+    assert proc._pidfd is None  # exec'd by Popen itself
+    assert _seen(proc)[2] == 0
