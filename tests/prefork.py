@@ -76,8 +76,8 @@ def _get_server() -> _Server | None:
             try:
                 _server = _Server()
             except (OSError, RuntimeError) as err:  # e.g. no pidfd_open (Linux < 5.3): exec as before
-                warnings.warn(f"tests/prefork.py: no fork server ({err}); processes are exec'd", stacklevel=3)
                 _server = False
+                warnings.warn(f"tests/prefork.py: no fork server ({err}); processes are exec'd", stacklevel=3)
         return _server or None
 
 
@@ -149,22 +149,26 @@ class Popen(_Base):
             if hasattr(self, "_devnull"):
                 os.close(self._devnull)
             self._closed_child_pipe_fds = True
-        if "error" in reply:
-            raise OSError(reply["error"])
-        self.pid = reply["pid"]
+        if "error" in reply:  # as Popen raises what the child's setup met (a missing cwd: FileNotFoundError)
+            raise OSError(reply.get("errno") or 0, reply["error"])
+        self.pid, self._server = reply["pid"], server
         self._child_created = True
         self._pidfd = os.pidfd_open(self.pid)  # before any reap: the server reaps only when asked
+
+    def _exited(self, timeout: float | None) -> bool:
+        poller = select.poll()
+        poller.register(self._pidfd, select.POLLIN)
+        return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000))))
 
     def _reap(self) -> None:
         with self._waitpid_lock:
             if self.returncode is None:
-                self.returncode = _get_server().call({"op": "wait", "pid": self.pid})["returncode"]
-                os.close(self._pidfd)
+                self.returncode = self._server.call({"op": "wait", "pid": self.pid})["returncode"]
 
     def _internal_poll(self, _deadstate=None, **kwargs):
         if self._pidfd is None:
             return super()._internal_poll(_deadstate, **kwargs)
-        if self.returncode is None and select.select([self._pidfd], [], [], 0)[0]:
+        if self.returncode is None and self._exited(0):
             self._reap()
         return self.returncode
 
@@ -172,10 +176,15 @@ class Popen(_Base):
         if self._pidfd is None:
             return super()._wait(timeout)
         if self.returncode is None:
-            if not select.select([self._pidfd], [], [], timeout)[0]:
+            if not self._exited(timeout):
                 raise subprocess.TimeoutExpired(self.args, timeout)
             self._reap()
         return self.returncode
+
+    def __del__(self, *args, **kwargs):
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+        super().__del__(*args, **kwargs)
 
 
 def install() -> None:
@@ -185,12 +194,19 @@ def install() -> None:
 
 
 # -- the server ------------------------------------------------------------------------------------------
+_DEFAULT_THREADS = 1
+
+
 def _serve(fd: int) -> None:
     import gc
     import importlib
 
+    import torch
+
     for name in PRELOAD:
         importlib.import_module(name)
+    global _DEFAULT_THREADS
+    _DEFAULT_THREADS = torch.get_num_threads()  # torch's own default: the server runs without OMP_NUM_THREADS
     gc.collect()
     gc.freeze()  # the children's collections then skip (and so never copy) the preloaded objects
     threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
@@ -205,27 +221,48 @@ def _serve(fd: int) -> None:
             return
         if not message:
             return
-        request = json.loads(message)
-        if request["op"] == "ready":
-            reply = {"ready": True}
-        elif request["op"] == "wait":
-            _, status = os.waitpid(request["pid"], 0)
-            reply = {"returncode": os.waitstatus_to_exitcode(status)}
-        else:
-            pid = os.fork()
-            if pid == 0:
-                sock.close()
-                _child(request, fds, base_path)  # never returns
-            reply = {"pid": pid}
+        try:
+            reply = _handle(json.loads(message), fds, sock, base_path)
+        except Exception as err:  # noqa: BLE001  (the server outlives a failed request: fork's EAGAIN, ...)
+            reply = {"error": f"prefork server: {type(err).__name__}: {err}", "errno": getattr(err, "errno", 0)}
         for f in fds:
             os.close(f)
         sock.send(json.dumps(reply).encode())
 
 
-def _child(request: dict, fds: list[int], base_path: list[str]) -> None:
+def _handle(request: dict, fds: list[int], sock, base_path: list[str]) -> dict:
+    if request["op"] == "ready":
+        return {"ready": True}
+    if request["op"] == "wait":
+        _, status = os.waitpid(request["pid"], 0)
+        return {"returncode": os.waitstatus_to_exitcode(status)}
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        sock.close()
+        os.close(ready_r)
+        _child(request, fds, base_path, ready_w)  # never returns
+    os.close(ready_w)
+    with os.fdopen(ready_r, "rb") as ready:  # the child's setup done (as Popen returns after exec)
+        failed = ready.read()
+    if failed:  # its setup failed: the error, as Popen raises it
+        os.waitpid(pid, 0)
+        error = json.loads(failed)
+        return {"error": error["error"], "errno": error["errno"]}
+    return {"pid": pid}
+
+
+def _child(request: dict, fds: list[int], base_path: list[str], ready: int) -> None:
     code = 1
     try:
-        code = _run_child(request, fds, base_path)
+        try:
+            _set_up_child(request, fds, base_path, keep=ready)
+        except BaseException as err:  # noqa: BLE001  (reported to the client, as exec's errors are)
+            os.write(ready, json.dumps({"error": f"{type(err).__name__}: {err}",
+                                        "errno": getattr(err, "errno", 0) or 0}).encode())
+            os._exit(1)
+        os.close(ready)
+        code = _run_child(request)
     except BaseException:  # noqa: BLE001  (the child must never return into the server's loop)
         import traceback
 
@@ -234,12 +271,11 @@ def _child(request: dict, fds: list[int], base_path: list[str]) -> None:
         os._exit(code)
 
 
-def _run_child(request: dict, fds: list[int], base_path: list[str]) -> int:
+def _set_up_child(request: dict, fds: list[int], base_path: list[str], keep: int) -> None:
+    """A fresh interpreter's state, as `python` would start it with this request's argv, env and cwd."""
     import io
     import random
-    import runpy
     import signal
-    import types
 
     import numpy
     import torch
@@ -250,7 +286,8 @@ def _run_child(request: dict, fds: list[int], base_path: list[str]) -> int:
         os.umask(request["umask"])
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
-    os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+    os.closerange(3, keep)  # as close_fds: only 0-2 (and `keep`, the setup's report to the server)
+    os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
     os.chdir(request["cwd"])
     env = request["env"]
     os.environ.clear()
@@ -269,12 +306,27 @@ def _run_child(request: dict, fds: list[int], base_path: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     script = request.get("script")
-    sys.path[:] = [os.path.dirname(script) if script else request["cwd"], *extra, *base_path]
+    sys.path[:] = [os.path.dirname(script) if script else os.getcwd(), *extra, *base_path]
     threads = env.get("OMP_NUM_THREADS")
-    torch.set_num_threads(int(threads) if threads and threads.isdigit() and int(threads) > 0 else os.cpu_count())
+    torch.set_num_threads(int(threads) if threads and threads.isdigit() and int(threads) > 0 else _DEFAULT_THREADS)
     torch.seed()  # a fresh process seeds torch, numpy and random from the OS: each its own draws
     numpy.random.seed()
     random.seed()
+    module = request.get("module")
+    if module and module in sys.modules and not hasattr(sys.modules[module], "__path__"):
+        # preloaded (deeprec.cli): runpy would warn and run a second copy; a fresh process has none
+        del sys.modules[module]
+        parent, _, name = module.rpartition(".")
+        if parent in sys.modules:
+            sys.modules[parent].__dict__.pop(name, None)
+
+
+def _run_child(request: dict) -> int:
+    import runpy
+    import signal
+    import types
+
+    script = request.get("script")
     main = types.ModuleType("__main__")
     main.__builtins__ = __builtins__
     sys.modules["__main__"] = main

@@ -192,10 +192,10 @@ def request_rows(export_dir: str) -> dict:
 
 
 def plain_argv(text: str, env: dict) -> list[str] | None:
-    """A plain `deeprec ...` command (no shell syntax but quotes and a comment) as the argv bash would exec,
+    """A plain `deeprec ...` command (no shell syntax but single quotes and a comment) as the argv bash execs,
     the program found on env's PATH; None for anything else."""
-    bare = re.sub(r"'[^']*'|\"[^\"]*\"", "''", text).split(" #")[0]
-    if not re.match(r"deeprec\s", bare) or re.search(r"[|&;<>$`()*?\[\]{}~\\\n]", bare):
+    bare = re.sub(r"'[^']*'", "''", text).split(" #")[0]  # single quotes only: bash expands in double ones
+    if not re.match(r"deeprec\s", bare) or re.search(r"[|&;<>$`()*?\[\]{}~\\\n\"]", bare) or "#" in bare:
         return None
     argv = shlex.split(text, comments=True)
     program = shutil.which(argv[0], path=env.get("PATH"))

@@ -80,3 +80,18 @@ def test_without_a_server_commands_are_execd(probe, monkeypatch):
         proc = probe(True)
     assert proc._pidfd is None  # exec'd by Popen itself
     assert _seen(proc)[2] == 0
+
+
+def test_a_preloaded_module_runs_as_main_as_in_a_fresh_process():
+    """deeprec.cli is preloaded in the server: run as __main__ it must not warn or differ."""
+    argv = [sys.executable, "-m", "deeprec.cli", "data", "--help"]
+    forked = prefork.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    execd = prefork._Base(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert isinstance(forked._pidfd, int)
+    assert forked.communicate(timeout=120) == execd.communicate(timeout=120)
+    assert forked.returncode == execd.returncode == 0
+
+
+def test_a_setup_failure_is_raised_as_popen_raises_it(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        prefork.Popen([sys.executable, "-m", "deeprec", "--help"], cwd=tmp_path / "missing")

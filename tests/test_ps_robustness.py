@@ -300,6 +300,10 @@ def test_a_stop_signal_while_a_worker_starts_stops_that_worker_too(monkeypatch):
         assert seen == [(signal.SIGTERM, [proc])] and children.workers == [proc] and children == [proc]
         handle(signal.SIGINT, None)  # once started, a signal is acted on at once
         assert seen[-1] == (signal.SIGINT, [proc])
+        monkeypatch.undo()
+        children.stopping = signal.SIGTERM  # the job is stopping: a worker started now gets the stop too
+        later = children.start([sys.executable, "-c", "import time; time.sleep(60)"], worker=True)
+        assert later.wait(30) == -signal.SIGTERM
     finally:
         proc.kill()
         proc.wait(10)

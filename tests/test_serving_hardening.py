@@ -45,6 +45,10 @@ def _client(path, **kw):
     return TestClient(make_app(dr.serving.load(path), **kw))
 
 
+async def _gathered(tasks):
+    return await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class _LoopClient:
     """The app's whole ASGI path (lifespan, routes, body limits) driven from an event loop in this
     thread (httpx's ASGITransport): TestClient hops between threads ~15 times a request, which made
@@ -66,7 +70,13 @@ class _LoopClient:
         try:
             self.loop.run_until_complete(self.client.aclose())
             self.loop.run_until_complete(self.lifespan.__aexit__(*exc))
-        finally:
+        finally:  # as asyncio.run ends: what is left cancelled and awaited, then the loop closed
+            pending = asyncio.all_tasks(self.loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                self.loop.run_until_complete(_gathered(pending))
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
             self.loop.close()
 
 

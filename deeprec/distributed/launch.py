@@ -245,7 +245,7 @@ class Children(list):
         self.workers: list[subprocess.Popen] = []
         self.stopping: int | None = None
         self.failure: tuple[int, int] | None = None  # (rank, exit code) of the last start's first failure
-        self.starting, self.deferred, self.on_signal = False, None, None
+        self.starting, self.deferred, self.on_signal = False, [], None
 
     def handler(self, on_signal):
         """`on_signal` as a signal handler that waits, while a child starts, until it is recorded."""
@@ -253,7 +253,7 @@ class Children(list):
 
         def handle(signum, frame):
             if self.starting:  # between the child's fork and its record: act once it is recorded
-                self.deferred = signum
+                self.deferred.append(signum)
             else:
                 on_signal(signum, frame)
         return handle
@@ -261,18 +261,22 @@ class Children(list):
     def start(self, argv: list[str], worker: bool = False, **popen) -> subprocess.Popen:
         """A child started in its own session, with PR_SET_PDEATHSIG, and recorded. A SIGTERM or SIGINT
         that lands while it starts (its handler runs between two bytecodes of the start) is acted on once
-        the child is recorded: else the stop would miss it, and the child outlive the launcher."""
+        the child is recorded, else the stop would miss it and the child outlive the launcher; a worker
+        started after a stop gets the stop's signal."""
+        stopping = self.stopping
         self.starting = True
         try:
             proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with_parent(), **popen)
             self.append(proc)
             if worker:
                 self.workers.append(proc)
+                if stopping is not None:
+                    proc.send_signal(stopping)
         finally:
             self.starting = False
-        if self.deferred is not None:
-            signum, self.deferred = self.deferred, None
-            self.on_signal(signum, None)  # may raise SystemExit: the child is recorded, the stop reaps it
+            deferred, self.deferred = self.deferred, []
+            for signum in deferred:  # in order: a second one makes the workers exit at once
+                self.on_signal(signum, None)  # may raise SystemExit: recorded children are reaped
         return proc
 
 

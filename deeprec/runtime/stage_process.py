@@ -143,9 +143,10 @@ def _send(conn, header: dict, payload: bytes = b"") -> None:
         conn.send_bytes(payload)
 
 
-def _worker(conn, source, stage_fn, closed_types, ignored_types, environ: dict) -> None:
-    os.environ.clear()  # the trainer's environment now (the fork server holds the one of its own start)
-    os.environ.update(environ)
+def _worker(conn, environ: dict, work: bytes) -> None:
+    os.environ.clear()  # the trainer's environment now (the fork server holds the one of its own start),
+    os.environ.update(environ)  # before the reader and stage are unpickled: their imports may read it
+    source, stage_fn, closed_types, ignored_types = pickle.loads(work)  # the trainer's own bytes, not input
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the trainer's to handle: it stops this process
     torch.set_num_threads(1)
     iterator = iter(source)
@@ -182,21 +183,24 @@ class Prestaged:
 
 
 class ProcessSource:
-    """Iterator over stage results computed in a spawned worker process."""
+    """Iterator over stage results computed in a worker process (forked from multiprocessing's forkserver)."""
 
     def __init__(self, source, stage_fn, closed_types: tuple, ignored_types: tuple, name: str = "stage"):
+        try:
+            work = pickle.dumps((source, stage_fn, tuple(closed_types), tuple(ignored_types)))
+        except (TypeError, AttributeError, pickle.PicklingError) as err:
+            raise ConfigError(f"SmartStageOptions(executor='process') starts the stage in a new process, "
+                              f"so the reader and the stage must be picklable: {err}") from err
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload([__name__])  # read once, when the server starts
         self._conn, child = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=_worker, args=(child, source, stage_fn, tuple(closed_types),
-                                                         tuple(ignored_types), dict(os.environ)),
+        self.process = ctx.Process(target=_worker, args=(child, dict(os.environ), work),
                                    name=f"deeprec-{name}-process", daemon=True)
         try:
             self.process.start()
-        except (TypeError, AttributeError, pickle.PicklingError) as err:
+        except BaseException:
             self._conn.close()
-            raise ConfigError(f"SmartStageOptions(executor='process') starts the stage in a new process, "
-                              f"so the reader and the stage must be picklable: {err}") from err
+            raise
         finally:
             child.close()
 
