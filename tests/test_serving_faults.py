@@ -193,7 +193,8 @@ def test_serving_answers_through_a_cut_trainer_and_follows_it_after(cluster, tmp
         wait_until(lambda: not [n for n in os.listdir(rig.export_dir) if n.startswith(".delta-")], 10,
                    "the delta in flight written")
         stalled = rig.deltas()[-1]
-        wait_until(lambda: rig.metrics()["deeprec_model_step"] == stalled, 10, f"serving at delta {stalled}")
+        # bounds of a failure only: applying a delta on 2 busy cores took over 10 s once (CI-like run)
+        wait_until(lambda: rig.metrics()["deeprec_model_step"] == stalled, 60, f"serving at delta {stalled}")
         settled_at, served = time.monotonic(), rig.metrics()
         rig.looks(25)  # 5 s at WATCH_INTERVAL_S: training would have written several deltas
         assert rig.deltas()[-1] == stalled, "training went on without its PS"
@@ -204,7 +205,7 @@ def test_serving_answers_through_a_cut_trainer_and_follows_it_after(cluster, tmp
         wait_until(lambda: rig.deltas()[-1] > stalled, 60, "new delta after the link came back")
         wait_until(lambda: rig.metrics()["deeprec_model_step"] > served["deeprec_model_step"], 30,
                    "serving's step advancing after the link came back")
-        wait_until(lambda: (client.last_step() or 0) > served["deeprec_model_step"], 10, "a newer model answering")
+        wait_until(lambda: (client.last_step() or 0) > served["deeprec_model_step"], 60, "a newer model answering")
     finally:
         client.stop()
     during = client.between(cut_at, restored_at)
@@ -238,7 +239,7 @@ def test_serving_never_applies_a_torn_export_and_follows_the_resumed_training(cl
         complete = rig.deltas()[-1]
         steps = complete + 40 * DELTA_EVERY
         rig.looks(8)  # serving looks several times at the folder with the torn file in it
-        wait_until(lambda: rig.metrics()["deeprec_model_step"] == complete, 10, f"serving at delta {complete}")
+        wait_until(lambda: rig.metrics()["deeprec_model_step"] == complete, 60, f"serving at delta {complete}")
         training.kill()
         assert (rig.export_dir / torn).exists()  # the torn file stays where serving sees it
         torn_step = int(re.match(r"\.delta-(\d+)\.", torn).group(1))
@@ -264,7 +265,7 @@ def test_serving_never_applies_a_torn_export_and_follows_the_resumed_training(cl
         # serving holds the newest complete model: the torn export's never; a run's full export that
         # completed before the stop landed only where it is newer than the deltas served
         newest = max(complete, _full_exports(rig.export_dir)[-1])
-        wait_until(lambda: rig.metrics()["deeprec_model_step"] == newest, 10, f"serving at step {newest}")
+        wait_until(lambda: rig.metrics()["deeprec_model_step"] == newest, 60, f"serving at step {newest}")
         rig.looks(4)
         assert rig.metrics()["deeprec_model_step"] == newest
         # 3. resumed, and killed between two steps once it writes deltas again
@@ -276,7 +277,7 @@ def test_serving_never_applies_a_torn_export_and_follows_the_resumed_training(cl
         training = rig.train(steps=steps, resume=True)
         assert training.wait(300) == 0, training.output()[-3000:]
         wait_until(lambda: rig.metrics()["deeprec_model_step"] == steps, 30, f"serving at step {steps}")
-        wait_until(lambda: client.last_step() == steps, 10, f"an answer from step {steps}")
+        wait_until(lambda: client.last_step() == steps, 60, f"an answer from step {steps}")
     finally:
         client.stop()
     failed = [r for r in client.records if not r[2]]
