@@ -182,7 +182,8 @@ class Popen(_Base):
         return self.returncode
 
     def __del__(self, *args, **kwargs):
-        if self._pidfd is not None:
+        # a running child stays polled (Popen's __del__ keeps it in subprocess._active): its pidfd too
+        if self._pidfd is not None and self.returncode is not None:
             os.close(self._pidfd)
         super().__del__(*args, **kwargs)
 
