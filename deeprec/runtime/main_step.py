@@ -1,7 +1,8 @@
 """The training step's graph, with the passes that change how it runs:
 
     main graph ──multi_stream_pass──> StreamRunner (streams / threads)
-               └─graph_fusion────────> torch.compile (eager + one warning if it fails)
+               └─split_at_lookups──> lookups eager, dense segments under torch.compile
+                                     (graph_fusion; a segment that fails runs eagerly, one warning)
     then bf16: the call runs under torch.autocast(bfloat16); parameters stay fp32.
 """
 from __future__ import annotations
@@ -15,29 +16,67 @@ import torch
 import torch.fx
 
 from deeprec.config import Config
+from deeprec.graph.lookup_split import dense_segments, split_at_lookups
 from deeprec.graph.multi_stream import multi_stream_pass
 from deeprec.runtime.stream_runner import StreamRunner
 
 log = logging.getLogger("deeprec.optimize")
 
 
-class CompiledStep:
-    """torch.compile of the step; the first failure falls back to eager, once, with a warning."""
+class _CompiledSegment(torch.nn.Module):
+    """One dense segment under torch.compile; its first failure runs it eagerly from then on, with
+    one warning (the step's `failed` says why)."""
 
-    def __init__(self, gm: torch.fx.GraphModule):
-        self.eager = gm
-        self.compiled = torch.compile(gm, dynamic=True)
-        self.failed: str | None = None
+    def __init__(self, eager: torch.fx.GraphModule, step: "CompiledStep"):
+        super().__init__()
+        self.eager = eager
+        # static shapes first (a second batch size recompiles with dynamic ones); kept out of the
+        # module tree so the segment's parameters are listed once
+        self.__dict__["compiled"] = torch.compile(eager)
+        self._step = step
+        self.failed = False
 
-    def __call__(self, *args):
-        if self.failed is None:
+    def forward(self, *args):
+        if not self.failed:
             try:
                 return self.compiled(*args)
             except Exception as err:  # noqa: BLE001 - a missing compiler, an unsupported op: run eager
-                self.failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-                warnings.warn(f"deeprec graph_fusion: torch.compile failed ({self.failed}); "
-                              "the step runs eagerly from now on", RuntimeWarning, stacklevel=2)
+                self.failed = True
+                self._step.fail(err)
         return self.eager(*args)
+
+
+class CompiledStep:
+    """The step with its dense segments compiled (deeprec/graph/lookup_split.py): the lookups run
+    eagerly between them. `failed` is the first segment's failure, if any."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        target = _step_graph(gm)
+        split = split_at_lookups(target)
+        for name, segment in dense_segments(split).items():
+            setattr(split, name, _CompiledSegment(segment, self))
+        self.segments = len(dense_segments(split))
+        self.failed: str | None = None
+        if target is gm:
+            self.run = split
+        else:
+            gm.submod_1 = split
+            self.run = gm
+
+    def fail(self, err: Exception) -> None:
+        if self.failed is None:
+            self.failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            warnings.warn(f"deeprec graph_fusion: torch.compile failed ({self.failed}); "
+                          "that part of the step runs eagerly from now on", RuntimeWarning, stacklevel=3)
+
+    def __call__(self, *args):
+        return self.run(*args)
+
+
+def _step_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The graph of the step itself: SmartStage's main side wraps it in one submodule."""
+    inner = getattr(gm, "submod_1", None)
+    return inner if isinstance(inner, torch.fx.GraphModule) else gm
 
 
 class _Streamed(torch.nn.Module):
@@ -60,9 +99,7 @@ class MainStep:
         self._run = gm
         ms = config.multi_stream
         if ms is not None and ms.policy != "none":
-            inner = getattr(gm, "submod_1", None)  # SmartStage's main side wraps the step in one submodule
-            target = inner if isinstance(inner, torch.fx.GraphModule) else gm
-            self.target = target
+            target = self.target = _step_graph(gm)
             multi_stream_pass(target, ms)
             self.streams = StreamRunner(target, ms.num_streams, device)
             if target is gm:

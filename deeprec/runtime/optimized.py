@@ -295,8 +295,11 @@ def _explain_step(fast: OptimizedModel) -> list[str]:
     if cfg.micro_batch_num > 1:
         lines.append(f"micro-batch: each batch runs as {cfg.micro_batch_num} micro-batches, gradients accumulated")
     if cfg.graph_fusion:
-        failed = step.compiled.failed if step is not None and step.compiled is not None else None
-        lines.append("graph fusion: torch.compile of the step" + (f" (fell back to eager: {failed})" if failed else ""))
+        compiled = step.compiled if step is not None else None
+        failed = compiled.failed if compiled is not None else None
+        segments = f"{compiled.segments} dense segment(s)" if compiled is not None else "the step"
+        lines.append(f"graph fusion: torch.compile of {segments}, the embedding lookups eager between them"
+                     + (f" (a segment fell back to eager: {failed})" if failed else ""))
     if cfg.bf16:
         lines.append("bf16: the step runs under torch.autocast(bfloat16); weights and optimizer state stay fp32")
     if fast.bf16_note:
