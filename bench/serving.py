@@ -294,14 +294,19 @@ class Server:
     """`deeprec serve PATH --port 0 --threads 1` in a subprocess (or under cProfile, `profile` the
     file prefix its event-loop thread's profiles are written to, one per SIGUSR1)."""
 
-    def __init__(self, path: str, log: str, profile: str | None = None):
-        args = ["serve", path, "--port", "0", "--threads", str(SERVER_THREADS)]
+    def __init__(self, path: str, log: str, profile: str | None = None, source: str | None = None,
+                 name: str | None = None):
+        # every variant under one name (`bodies`' URLs): the traced copy's folder would name it otherwise
+        args = ["serve", path, "--port", "0", "--threads", str(SERVER_THREADS)] + (["--model-name", name] if name else [])
+        # another checkout's deeprec: `python -m` puts the working directory first on sys.path
+        env = None if source is None else {**os.environ, "PYTHONPATH": source}
         if profile is None:
             command = [sys.executable, "-m", "deeprec", *args]
         else:
             command = [sys.executable, "-c", _PROFILED, profile, *args]
         self.log = open(log, "w")
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
+                                        cwd=source)
         deadline = time.monotonic() + 300
         while True:
             line = self.process.stdout.readline()
@@ -768,12 +773,15 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--export", help="reuse this export (with its compiled CPU package) instead of training one")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled server run")
+    parser.add_argument("--before", metavar="DIR", help="also serve the compiled export with another checkout's "
+                        "deeprec (its extension built), in the same run: a before/after table")
     args = parser.parse_args()
 
     import torch
 
     import deeprec as dr
     from deeprec.cli import sample_path
+    from deeprec.serving.repository import model_name
 
     warnings.simplefilter("ignore", UserWarning)  # the traced copy's fallback warning, torch's notes
     warnings.simplefilter("ignore", FutureWarning)
@@ -814,7 +822,7 @@ def main() -> None:
         results["http"] = {}
         for variant in VARIANTS:
             print(f"HTTP, {variant} ...", flush=True)
-            server = Server(paths[variant], os.path.join(folder, f"{variant}.log"))
+            server = Server(paths[variant], os.path.join(folder, f"{variant}.log"), name=model_name(path))
             try:
                 results["http"][variant] = measure_http(server, served, rows, args.requests, args.clients)
                 if variant == "compiled":  # http.client's own cost, beside the lean client
@@ -825,6 +833,17 @@ def main() -> None:
             finally:
                 server.stop()
             lap(f"http_{variant}")
+
+        if args.before:
+            print(f"HTTP, compiled, served by {args.before} ...", flush=True)
+            server = Server(path, os.path.join(folder, "before.log"), source=os.path.abspath(args.before),
+                            name=model_name(path))
+            try:
+                results["http_before"] = {"source": args.before, "commit": _commit(args.before),
+                                          **measure_http(server, served, rows, args.requests, args.clients)}
+            finally:
+                server.stop()
+            lap("http_before")
 
         where = {"handler_stages_in_process_ms": stages,
                  "http_1_client_split_ms": _http_split(results, stages),
@@ -847,9 +866,32 @@ def main() -> None:
                 ["variant", "load", "rows", "clients", "p50 ms", "p99 ms", "rows/s", "target", ""],
                 table(results, args.clients))
     _print_where(results, args.clients)
+    if "http_before" in results:
+        _print_before_after(results, args.clients)
     print("saved", save_json("serving", results))
     plot(results, args.clients)
     print(f"{results['seconds']:.0f} s in all")
+
+
+def _commit(source: str) -> str:
+    found = subprocess.run(["git", "-C", source, "log", "-1", "--format=%h %s"], capture_output=True, text=True)
+    return found.stdout.strip()[:100] or "?"
+
+
+def _print_before_after(results: dict, clients: int) -> None:
+    """The compiled export served by this checkout and by --before's, per protocol and rows."""
+    before, after, rows = results["http_before"], results["http"]["compiled"], []
+    for protocol in PROTOCOLS:
+        for n in HTTP_ROWS:
+            b, a = before[protocol][str(n)], after[protocol][str(n)]
+            many_b, many_a = b[f"{clients}_clients"], a[f"{clients}_clients"]
+            rows.append([protocol, n, f"{b['1_client']['p50_ms']:.2f}", f"{a['1_client']['p50_ms']:.2f}",
+                         f"{many_b['rows_per_s']:,.0f}", f"{many_a['rows_per_s']:,.0f}",
+                         f"{many_a['rows_per_s'] / many_b['rows_per_s']:.2f}",
+                         f"{many_b['server_cpu_ms_per_request']:.2f}", f"{many_a['server_cpu_ms_per_request']:.2f}"])
+    print_table(f"before ({before['commit']}) and after, compiled, HTTP",
+                ["protocol", "rows", "p50 ms before", "p50 ms after", f"{clients} clients rows/s before", "after",
+                 "ratio", "server CPU ms/req before", "after"], rows)
 
 
 def _module_or(name: str, otherwise: str) -> str:

@@ -210,3 +210,24 @@ def test_a_bad_value_names_its_field_and_row():
         request_batch(SCHEMA, {"x": np.zeros((2, 1))})
     with pytest.raises(RequestError, match=r"^\$\.s\[1\]: field 's'"):  # a lone surrogate
         request_batch(SCHEMA, {"s": ["a", "\ud800"]})
+
+
+def test_requests_merged_convert_as_each_alone_stacked():
+    """The server converts a batch's requests once (merge_columns): every value means what it means in its
+    own request, a column one request left out is missing in its rows, arrays of one dtype join."""
+    from deeprec.data.collate import collate
+    from deeprec.serving.request import convert_columns, merge_columns, request_rows
+
+    requests = [{"x": [3, None], "k": ["17", ""], "s": ["a", None], "q": [[1, 2], None], "t": ["a|b", ""]},
+                {"x": ["1e3"], "s": [7], "t": [["c"]]},
+                {"x": [" 2.5", "NA", 4], "k": [1, 2, None], "q": ["3|4", "", [5]], "w": [2, 2, 2]}]
+    checked = [(rows, request_rows(SCHEMA, rows)) for rows in requests]
+    merged = merge_columns(checked)
+    got = convert_columns(SCHEMA, merged, sum(n for _, n in checked))
+    want = collate([request_batch(SCHEMA, rows) for rows in requests])
+    assert set(got) == set(want) and all(_equal(got[c], want[c]) for c in want), \
+        {c: (got[c], want[c]) for c in want if not _equal(got[c], want[c])}
+    arrays = [({"x": np.array([1.0, np.nan], np.float32)}, 2), ({"x": np.array([2.0], np.float32)}, 1)]
+    assert _equal(convert_columns(SCHEMA, merge_columns(arrays), 3)["x"], torch.tensor([1.0, float("nan"), 2.0]))
+    assert merge_columns([({"x": np.array([1.0])}, 1), ({"x": [2.0]}, 1)]) is None  # a list beside an array
+    assert merge_columns([({"x": np.array([1.0])}, 1), ({"x": np.array([2], np.int64)}, 1)]) is None

@@ -15,8 +15,9 @@ import torch
 from starlette.testclient import TestClient
 
 import deeprec as dr
-from deeprec.serving import ServingError
-from deeprec.serving.repository import Batcher, open_repository
+from deeprec.serving import RequestError, ServingError
+from deeprec.serving.repository import Batcher, Pending, open_repository
+from deeprec.serving.request import request_rows
 from deeprec.serving.server import make_app
 
 from test_serving import _din_export, _dlrm_export, _trained
@@ -259,6 +260,7 @@ def test_batcher_waits_on_no_clock():
     async def run():
         model = Model()
         batcher = Batcher(model, Rows(), max_batch=64, max_wait_s=0.0)
+        batcher.INLINE_ROWS = 0  # every call in the scoring thread, which the first call holds
         batcher.start()
         first = asyncio.ensure_future(batcher.submit({"x": torch.tensor([1.0])}, 1))
         while not model.calls:
@@ -295,6 +297,72 @@ def test_batcher_waits_on_no_clock():
         return model.calls
 
     assert asyncio.run(reading()) == [[1.0, 2.0]]
+
+
+def test_a_lone_small_request_is_scored_on_the_event_loop_a_large_one_in_the_scoring_thread():
+    threads = []
+
+    class Model:
+        def __call__(self, batch):
+            threads.append(threading.current_thread())
+            return torch.sigmoid(batch["x"])
+
+    class Rows:
+        def observe(self, n):
+            pass
+
+    async def run():
+        batcher = Batcher(Model(), Rows(), max_batch=64, max_wait_s=0.0)
+        batcher.start()
+        small = await batcher.submit({"x": torch.ones(Batcher.INLINE_ROWS)}, Batcher.INLINE_ROWS)
+        large = await batcher.submit({"x": torch.ones(Batcher.INLINE_ROWS + 1)}, Batcher.INLINE_ROWS + 1)
+        batcher.task.cancel()
+        batcher.scorer.shutdown()
+        return small[0], large[0]
+
+    small, large = asyncio.run(run())
+    assert small.shape == (Batcher.INLINE_ROWS,) and large.shape == (Batcher.INLINE_ROWS + 1,)
+    assert threads[0] is threading.main_thread()  # asyncio.run's loop runs here
+    assert threads[1].name.startswith("deeprec-score")
+
+
+def test_a_batch_converts_once_and_a_bad_value_fails_only_its_request(dlrm):
+    """The batcher merges the queued requests' columns and converts them in one call; a request with a
+    bad value fails the merged conversion, then each request is scored alone: that one gets its 400
+    (RequestError at its own path), the others their scores."""
+    path, rows = dlrm
+    served = dr.serving.load(path)
+    calls = []
+
+    class Rows:
+        def observe(self, n):
+            calls.append(n)
+
+    def pending(columns):
+        return Pending(columns, request_rows(served.schema, columns, "$.inputs"), "$.inputs")
+
+    async def run(requests):  # queued before the batcher wakes: one batch
+        batcher = Batcher(served, Rows(), max_batch=64, max_wait_s=0.0)
+        batcher.start()
+        futures = [asyncio.ensure_future(batcher.submit(r, r.rows)) for r in requests]
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        batcher.task.cancel()
+        batcher.scorer.shutdown()
+        return results
+
+    parts = [_rows(rows, 3, 3 * i) for i in range(3)]
+    results = asyncio.run(run([pending(part) for part in parts]))
+    assert calls == [9]  # one model call for the three
+    for part, (scores, model) in zip(parts, results):
+        assert model is served and torch.allclose(torch.tensor(scores), served(part), atol=1e-6)
+    calls.clear()
+    bad = {**_rows(rows, 2), "I1": [1.0, "x"]}
+    results = asyncio.run(run([pending(parts[0]), pending(bad), pending(parts[1])]))
+    assert isinstance(results[1], RequestError) and results[1].path == "$.inputs.I1[1]", results[1]
+    assert "'x' is not a number" in str(results[1])
+    for part, result in zip([parts[0], parts[1]], [results[0], results[2]]):
+        assert torch.allclose(torch.tensor(result[0]), served(part), atol=1e-6)
+    assert calls == [3, 3]  # the merged conversion failed: each good request alone
 
 
 # -- a real server process and the official Triton client --------------------------------------------

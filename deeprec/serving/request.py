@@ -54,6 +54,12 @@ class RequestError(DeepRecError, ValueError):
 def request_batch(schema, rows: dict, path: str = "$", max_rows: int | None = None) -> dict:
     """A raw batch from columns {name: values per row (a list or a 1-D numpy array)}; a column left out
     is all missing (labels may be left out). A value that does not fit is a RequestError at its path."""
+    return convert_columns(schema, rows, request_rows(schema, rows, path, max_rows), path)
+
+
+def request_rows(schema, rows: dict, path: str = "$", max_rows: int | None = None) -> int:
+    """The rows of a request's columns, once their shape is checked (an object of lists of one length,
+    columns of the schema, at most max_rows); the values are checked by `convert_columns`."""
     if not isinstance(rows, dict) or not rows:
         raise RequestError("the request must be an object of columns: {\"column\": [value per row], ...}", path)
     for name, values in rows.items():
@@ -76,6 +82,11 @@ def request_batch(schema, rows: dict, path: str = "$", max_rows: int | None = No
     if max_rows is not None and n > max_rows:
         raise RequestError(f"{n} rows, this server takes at most {max_rows} per request (--max-rows): split the "
                            "request", path)
+    return n
+
+
+def convert_columns(schema, rows: dict, n: int, path: str = "$") -> dict:
+    """Columns whose shape `request_rows` checked (n rows) -> the raw batch."""
     columns = _numbers_as_text(schema, rows, n, path)
     for c in schema.columns:
         if c.kind != "ignore" and c.name not in columns:
@@ -85,6 +96,25 @@ def request_batch(schema, rows: dict, path: str = "$", max_rows: int | None = No
         return schema.to_batch(pa.table(columns))
     except (DeepRecError, pa.ArrowException, ValueError, TypeError, OverflowError) as err:  # checked above
         raise RequestError(f"the values do not fit the model's schema ({err})", path) from None
+
+
+def merge_columns(requests: list[tuple[dict, int]]) -> dict | None:
+    """The columns of several checked requests ((columns, rows) each) as one request's: a column is
+    the concatenation of theirs, all missing where a request left it out. What it converts to equals
+    the requests' batches converted alone and stacked (a value means the same in any row). None
+    where a column mixes lists and numpy arrays, or arrays of two dtypes (each request is then
+    converted alone)."""
+    names = list(dict.fromkeys(name for columns, _ in requests for name in columns))
+    merged = {}
+    for name in names:
+        parts = [(columns.get(name), n) for columns, n in requests]
+        if all(isinstance(values, list) or values is None for values, _ in parts):
+            merged[name] = [v for values, n in parts for v in (values if values is not None else [None] * n)]
+        elif all(isinstance(values, np.ndarray) for values, _ in parts) and len({v.dtype for v, _ in parts}) == 1:
+            merged[name] = np.concatenate([values for values, _ in parts])
+        else:
+            return None
+    return merged
 
 
 def _numbers_as_text(schema, rows: dict, n: int, path: str) -> dict:

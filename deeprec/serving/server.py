@@ -9,9 +9,10 @@
     POST /v2/models/{name}/infer        inference, JSON or binary tensors (protocols.py)
     GET  /healthz, /metrics             {"status": "ok", "step": N, "model": the manifest's}; Prometheus text
 
-    request ──token? (401)──body <= max_body_bytes? (413)──decode + validate (400 naming the JSON path)──>
+    request ──token? (401)──body <= max_body_bytes? (413)──decode, check the columns' shape (400)──>
         the model's queue ──batcher: what queued while the last batch scored, up to max_batch rows──>
-        one model call in the model's scoring thread ──> each request's rows (checked finite)
+        the scoring thread: the requests' columns merged, converted once (a bad value: each request
+        alone, that one a 400 naming its JSON path), one model call ──> each request's rows (checked finite)
 
 PATH is one export, a training's export dir, or a model repository (repository.py): each model gets its
 own batcher, scoring thread and online-update watcher. A client's mistake is a 4xx naming it; a 5xx
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import os
@@ -41,7 +43,8 @@ import deeprec
 from deeprec.errors import ConfigError
 from deeprec.serving import RequestError
 from deeprec.serving import protocols as p
-from deeprec.serving.repository import Metrics, NonFinite, Served, model_name, open_repository
+from deeprec.serving.repository import Metrics, NonFinite, Pending, Served, model_name, open_repository
+from deeprec.serving.request import request_rows
 
 MAX_BODY_BYTES = 8 << 20  # --max-body-bytes: a larger body is a 413, its rest read and dropped (_drain)
 # What a refusal (413, 401, 404) reads of the rest of the body before it answers, as nginx's lingering
@@ -206,15 +209,17 @@ def make_app(models, max_batch: int = 256, max_wait_ms: float = 0.0, folder=None
                 with model_served.batcher.arriving():  # the batch being formed waits for this request
                     model = model_served.model
                     columns, style = p.v1_columns(p.loads(await read_body(request)), model, max_rows)
+                    located = p.at_rows if style == "instances" else (lambda err: err)
                     try:
-                        batch = model.batch(columns, f"$.{style}", max_rows)
+                        pending = Pending(columns, request_rows(model.schema, columns, f"$.{style}", max_rows),
+                                          f"$.{style}", located)
                     except RequestError as err:
-                        raise p.at_rows(err) if style == "instances" else err
+                        raise located(err)
+                if model_served.not_ready is not None:
+                    return _json({"error": f"the model served cannot answer: {model_served.not_ready}"}, 503)
+                scores, scored = await model_served.score(pending)  # its values are converted with the batch
             except RequestError as err:
                 return _json({"error": str(err), "path": err.path}, 400)
-            if model_served.not_ready is not None:
-                return _json({"error": f"the model served cannot answer: {model_served.not_ready}"}, 503)
-            scores, scored = await model_served.score(batch)
             return _json(p.v1_answer(scores, scored, style, tf, scored.step))
 
         async def route(request: Request) -> Response:
@@ -233,15 +238,18 @@ def make_app(models, max_batch: int = 256, max_wait_ms: float = 0.0, folder=None
             with model_served.batcher.arriving():  # the batch being formed waits for this request
                 infer = p.v2_request(await read_body(request),
                                      request.headers.get("inference-header-content-length"), model, max_rows)
+                columns = p.v2_columns(infer, model)
+                located = functools.partial(p.at_inputs, request=infer)
                 try:
-                    batch = model.batch(p.v2_columns(infer, model), "$.inputs", max_rows)
+                    pending = Pending(columns, request_rows(model.schema, columns, "$.inputs", max_rows), "$.inputs",
+                                      located)
                 except RequestError as err:
-                    raise p.at_inputs(err, infer)
+                    raise located(err)
+            if model_served.not_ready is not None:
+                return _json({"error": f"model {model_served.name!r} cannot answer: {model_served.not_ready}"}, 503)
+            scores, scored = await model_served.score(pending)  # its values are converted with the batch
         except RequestError as err:
             return _json({"error": str(err)}, 400)
-        if model_served.not_ready is not None:
-            return _json({"error": f"model {model_served.name!r} cannot answer: {model_served.not_ready}"}, 503)
-        scores, scored = await model_served.score(batch)
         body, headers = p.v2_answer(model_served.name, scored, infer, scores)
         return Response(body, headers=headers)
 
