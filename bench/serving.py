@@ -797,7 +797,7 @@ def main() -> None:
                          "(several), bodies pre-encoded with orjson; in the same 2 cores as the server"}
     with tempfile.TemporaryDirectory() as folder:
         print("training and exporting (with the compiled package) ...", flush=True)
-        path = args.export or exported_model(folder)
+        path = os.path.abspath(args.export or exported_model(folder))  # --before's server runs elsewhere
         paths = {"compiled": path, "traced": traced_copy(path, folder)}
         took, mark = {"export": time.perf_counter() - began}, time.perf_counter()
 

@@ -55,7 +55,31 @@ def test_each_run_of_lookups_is_a_segment_between_dense_segments_in_node_order()
     assert set(dense_segments(split)) == {"dense_0", "dense_2", "dense_4"}
     # the segments hold the model's own parameters: nothing copied
     model_params = {id(p) for p in split.parameters()}
-    assert {id(p) for p in split.dense_2.parameters()} <= model_params and split.dense_2.parameters()
+    assert {id(p) for p in split.dense_2.parameters()} <= model_params and list(split.dense_2.parameters())
+
+
+class OwnDenseNames(nn.Module):
+    """Modules of the model's own named like the pass's segments, read as parameters (get_attr: they
+    stay on the parent graph beside the segments)."""
+
+    def __init__(self):
+        super().__init__()
+        self.item = dr.EmbeddingVariable(DIM, name="item")
+        self.dense_2, self.dense_proj = nn.Linear(3, DIM), nn.Linear(DIM, 1)
+
+    def forward(self, batch):
+        rows = self.item(dr.ops.string_to_hash_key(batch["C1"]))
+        x = _dense(batch) @ self.dense_2.weight.t() + rows
+        return _click((x @ self.dense_proj.weight.t()).squeeze(1), batch)
+
+
+def test_the_models_own_dense_names_are_kept_apart_from_the_segments(batches):
+    torch.manual_seed(0)
+    model = OwnDenseNames()
+    split = split_at_lookups(capture(copy.deepcopy(model)))
+    assert _segments(split) == ["dense_0", "lookup_1", "_dense_2"]  # renamed: the model has a dense_2
+    assert set(dense_segments(split)) == {"dense_0", "_dense_2"}  # not the model's dense_2, dense_proj
+    assert torch.equal(split(batches[0])["logits"], capture(model)(batches[0])["logits"])
 
 
 def test_the_split_graph_computes_bitwise_what_the_graph_did(batches):

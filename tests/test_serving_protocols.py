@@ -16,6 +16,7 @@ from starlette.testclient import TestClient
 
 import deeprec as dr
 from deeprec.serving import RequestError, ServingError
+from deeprec.serving import repository
 from deeprec.serving.repository import Batcher, Pending, open_repository
 from deeprec.serving.request import request_rows
 from deeprec.serving.server import make_app
@@ -300,9 +301,15 @@ def test_batcher_waits_on_no_clock():
 
 
 def test_a_lone_small_request_is_scored_on_the_event_loop_a_large_one_in_the_scoring_thread():
+    """On the event loop only what is quick: a small lone request to a compiled CPU package."""
     threads = []
 
     class Model:
+        device = torch.device("cpu")
+
+        def __init__(self, compiled):
+            self.compiled = compiled
+
         def __call__(self, batch):
             threads.append(threading.current_thread())
             return torch.sigmoid(batch["x"])
@@ -311,22 +318,25 @@ def test_a_lone_small_request_is_scored_on_the_event_loop_a_large_one_in_the_sco
         def observe(self, n):
             pass
 
-    async def run():
-        batcher = Batcher(Model(), Rows(), max_batch=64, max_wait_s=0.0)
+    async def run(model, sizes):
+        batcher = Batcher(model, Rows(), max_batch=64, max_wait_s=0.0)
         batcher.start()
-        small = await batcher.submit({"x": torch.ones(Batcher.INLINE_ROWS)}, Batcher.INLINE_ROWS)
-        large = await batcher.submit({"x": torch.ones(Batcher.INLINE_ROWS + 1)}, Batcher.INLINE_ROWS + 1)
+        scores = [(await batcher.submit({"x": torch.ones(n)}, n))[0] for n in sizes]
         batcher.task.cancel()
         batcher.scorer.shutdown()
-        return small[0], large[0]
+        return scores
 
-    small, large = asyncio.run(run())
-    assert small.shape == (Batcher.INLINE_ROWS,) and large.shape == (Batcher.INLINE_ROWS + 1,)
+    small, large = Batcher.INLINE_ROWS, Batcher.INLINE_ROWS + 1
+    scores = asyncio.run(run(Model(compiled=object()), [small, large]))
+    assert [s.shape for s in scores] == [(small,), (large,)]
     assert threads[0] is threading.main_thread()  # asyncio.run's loop runs here
     assert threads[1].name.startswith("deeprec-score")
+    threads.clear()
+    asyncio.run(run(Model(compiled=None), [small]))  # the traced program: never on the loop
+    assert threads[0].name.startswith("deeprec-score")
 
 
-def test_a_batch_converts_once_and_a_bad_value_fails_only_its_request(dlrm):
+def test_a_batch_converts_once_and_a_bad_value_fails_only_its_request(dlrm, monkeypatch):
     """The batcher merges the queued requests' columns and converts them in one call; a request with a
     bad value fails the merged conversion, then each request is scored alone: that one gets its 400
     (RequestError at its own path), the others their scores."""
@@ -350,19 +360,24 @@ def test_a_batch_converts_once_and_a_bad_value_fails_only_its_request(dlrm):
         batcher.scorer.shutdown()
         return results
 
+    converted = []
+    real = repository.convert_columns
+    monkeypatch.setattr(repository, "convert_columns", lambda schema, columns, n, path="$":
+                        converted.append(n) or real(schema, columns, n, path))
     parts = [_rows(rows, 3, 3 * i) for i in range(3)]
     results = asyncio.run(run([pending(part) for part in parts]))
-    assert calls == [9]  # one model call for the three
+    assert converted == [9] and calls == [9]  # one conversion, one model call for the three
     for part, (scores, model) in zip(parts, results):
         assert model is served and torch.allclose(torch.tensor(scores), served(part), atol=1e-6)
-    calls.clear()
+    converted.clear(), calls.clear()
     bad = {**_rows(rows, 2), "I1": [1.0, "x"]}
     results = asyncio.run(run([pending(parts[0]), pending(bad), pending(parts[1])]))
     assert isinstance(results[1], RequestError) and results[1].path == "$.inputs.I1[1]", results[1]
     assert "'x' is not a number" in str(results[1])
     for part, result in zip([parts[0], parts[1]], [results[0], results[2]]):
         assert torch.allclose(torch.tensor(result[0]), served(part), atol=1e-6)
-    assert calls == [3, 3]  # the merged conversion failed: each good request alone
+    # the merged conversion failed, each was converted alone; the good two scored together
+    assert converted == [8, 3, 2, 3] and calls == [6]
 
 
 # -- a real server process and the official Triton client --------------------------------------------

@@ -9,8 +9,9 @@
 
 A lookup is a module with Python state (a key index, tiers, a PS client, a lock): torch.compile
 traced into it and broke the graph at its lock, then recompiled at every growth of a variable
-(its sizes are Python ints), so `--compile` gained nothing. After this pass each dense segment is a
-pure function of tensors that inductor compiles once; the lookups stay calls on the parent graph.
+(its sizes are Python ints), so `--compile` gained nothing. After this pass the dense segments hold
+no lookup, and inductor compiles each once; the lookups stay calls on the parent graph. (Without
+SmartStage the batch's preprocessing, hashing ops included, runs in the first dense segment.)
 Nodes keep their order (torch.fx `split_module`), so the outputs are those of the graph as
 written. The pass changes no module: the segments hold the graph's own parameters.
 """
@@ -24,6 +25,7 @@ from deeprec.nn.lookup import EmbeddingLookup
 
 DENSE_PREFIX = "dense_"
 LOOKUP_PREFIX = "lookup_"
+SEGMENTS_KEY = "deeprec_dense_segments"  # in the split graph module's meta: the names the pass gave
 
 
 def _is_lookup(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
@@ -37,7 +39,8 @@ def _is_lookup(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
 
 def split_at_lookups(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """`gm` as segments in node order: `lookup_K` (the lookup calls of a run) and `dense_K` (the
-    nodes between them). Each run of nodes of one kind is a segment; K counts segments."""
+    nodes between them). Each run of nodes of one kind is a segment; K counts segments. (A parameter
+    the graph reads directly stays a read on the parent graph, passed in: split_module's way.)"""
     segment, kind, assigned = -1, None, {}
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
@@ -45,23 +48,25 @@ def split_at_lookups(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if _is_lookup(gm, node) != kind:
             segment, kind = segment + 1, _is_lookup(gm, node)
         assigned[node.name] = segment
-    for node in gm.graph.nodes:  # a constant goes with the first segment that reads it
-        if node.op == "get_attr":
-            assigned[node.name] = min((assigned[u.name] for u in node.users if u.name in assigned), default=0)
-    lookup_segments = {assigned[n.name] for n in gm.graph.nodes if n.op != "placeholder" and n.op != "output"
-                       and _is_lookup(gm, n)}
+    lookup_segments = {assigned[n.name] for n in gm.graph.nodes if _is_lookup(gm, n)}
     split = split_module(gm, gm, lambda node: assigned[node.name], keep_original_order=True)
+    dense = []
     for node in split.graph.nodes:  # submod_K -> dense_K / lookup_K: the names say what runs there
         if node.op == "call_module" and node.target.startswith("submod_"):
             index = int(node.target[len("submod_"):])
             name = f"{LOOKUP_PREFIX if index in lookup_segments else DENSE_PREFIX}{index}"
+            while hasattr(split, name):  # a module of the model's own by that name
+                name = f"_{name}"
             split.add_submodule(name, split.get_submodule(node.target))
             split.delete_submodule(node.target)
             node.target = name
+            if index not in lookup_segments:
+                dense.append(name)
+    split.meta[SEGMENTS_KEY] = dense
     split.recompile()
     return split
 
 
 def dense_segments(gm: torch.fx.GraphModule) -> dict[str, nn.Module]:
     """The dense segments of a graph split by `split_at_lookups`, by name."""
-    return {name: module for name, module in gm.named_children() if name.startswith(DENSE_PREFIX)}
+    return {name: gm.get_submodule(name) for name in gm.meta[SEGMENTS_KEY]}

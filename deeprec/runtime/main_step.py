@@ -33,13 +33,19 @@ class _CompiledSegment(torch.nn.Module):
         # static shapes first (a second batch size recompiles with dynamic ones); kept out of the
         # module tree so the segment's parameters are listed once
         self.__dict__["compiled"] = torch.compile(eager)
+        from torch._functorch import config as functorch_config
+
+        self._functorch = functorch_config
         self._step = step
         self.failed = False
 
     def forward(self, *args):
         if not self.failed:
             try:
-                return self.compiled(*args)
+                # the backward compiled with the forward (not lazily at the first backward, where its
+                # failure would escape this fallback); a call that compiles nothing pays ~10 us for it
+                with self._functorch.patch(force_non_lazy_backward_lowering=True):
+                    return self.compiled(*args)
             except Exception as err:  # noqa: BLE001 - a missing compiler, an unsupported op: run eager
                 self.failed = True
                 self._step.fail(err)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from deeprec.data.collate import batch_rows, collate
@@ -30,6 +31,7 @@ from deeprec.serving.online import ExportFolder
 from deeprec.serving.request import RequestError, convert_columns, merge_columns
 
 log = logging.getLogger("deeprec.serve")
+_CPU = torch.device("cpu")
 NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _ONLINE = re.compile(r"^(full-\d+|delta-\d+\.json)$")
 
@@ -148,16 +150,29 @@ class Pending:
             raise self.located(err) from None
 
 
-def _score(model: ServedModel, items: list) -> np.ndarray:
+def _score(model: ServedModel, items: list) -> tuple[np.ndarray | None, dict[int, Exception]]:
     """One model call for several requests (in the scoring thread: converting, merging and scoring off
-    the event loop). Items are Pending requests or raw batches. A request's bad value fails the
-    merged conversion; the batcher then scores each request alone, and that one gets its 400."""
+    the event loop). Items are Pending requests or raw batches. Returns the scores of the items that
+    converted, in order, and {index: RequestError} of those that did not: a bad value fails the
+    merged conversion, the items are then converted each alone and the rest scored together."""
     if all(isinstance(item, Pending) for item in items) and len(items) > 1:
         merged = merge_columns([(item.columns, item.rows) for item in items])
         if merged is not None:
-            return model(convert_columns(model.schema, merged, sum(item.rows for item in items))).numpy()
-    batches = [item.batch(model) if isinstance(item, Pending) else item for item in items]
-    return model(collate(batches) if len(batches) > 1 else batches[0]).numpy()
+            try:
+                batch = convert_columns(model.schema, merged, sum(item.rows for item in items))
+            except RequestError:
+                pass  # one of them holds a bad value: found below
+            else:
+                return model(batch).numpy(), {}
+    batches, refused = [], {}
+    for k, item in enumerate(items):
+        try:
+            batches.append(item.batch(model) if isinstance(item, Pending) else item)
+        except RequestError as err:
+            refused[k] = err
+    if not batches:
+        return None, refused
+    return model(collate(batches) if len(batches) > 1 else batches[0]).numpy(), refused
 
 
 class Batcher:
@@ -222,32 +237,47 @@ class Batcher:
                 pending.append(item)
                 rows += item[1]
             model = self.model  # one model per batch: an update swaps it between batches
+            items = [b for b, _, _ in pending]
             try:
-                items = [b for b, _, _ in pending]
-                if rows <= self.INLINE_ROWS and len(pending) == 1 and not self.reading and self.queue.empty():
-                    scores = _score(model, items)  # alone and small: no hop to the scoring thread and back
+                if len(pending) == 1 and self._inline(model, rows):
+                    scores, refused = _score(model, items)  # alone and small: no hop to the scoring thread
                 else:
-                    scores = await loop.run_in_executor(self.scorer, _score, model, items)
-                self.rows_metric.observe(rows)
-                start = 0
-                for _, n, future in pending:
-                    if not future.done():  # a request cancelled (its client gone) is skipped
-                        future.set_result((scores[start:start + n], model))
-                    start += n
-            except Exception as err:
-                if len(pending) == 1:  # the request learns of it; the batcher goes on
+                    scores, refused = await loop.run_in_executor(self.scorer, _score, model, items)
+            except Exception as err:  # the model call failed: each request alone, one must not fail the others
+                if len(pending) == 1:
                     if not pending[0][2].done():
                         pending[0][2].set_exception(err)
                     continue
-                for batch, n, future in pending:  # one request must not fail the others: each alone
+                for item, n, future in pending:
                     try:
-                        scores = await loop.run_in_executor(self.scorer, _score, model, [batch])
-                        self.rows_metric.observe(n)
-                        if not future.done():
-                            future.set_result((scores, model))
+                        scores, refused = await loop.run_in_executor(self.scorer, _score, model, [item])
+                        self._answer([(item, n, future)], scores, refused, model)
                     except Exception as alone:
                         if not future.done():
                             future.set_exception(alone)
+                continue
+            self._answer(pending, scores, refused, model)
+
+    def _inline(self, model, rows: int) -> bool:
+        """Score on the event loop: a small lone request, nobody else arriving, a compiled CPU package
+        (a fraction of a ms; the traced program or a GPU would stall every connection meanwhile)."""
+        return (rows <= self.INLINE_ROWS and not self.reading and self.queue.empty()
+                and getattr(model, "compiled", None) is not None and getattr(model, "device", None) == _CPU)
+
+    def _answer(self, pending: list, scores, refused: dict, model) -> None:
+        """Each request its rows of `scores` (those of the requests not refused, in order), or its error."""
+        scored = sum(n for k, (_, n, _) in enumerate(pending) if k not in refused)
+        if scored:
+            self.rows_metric.observe(scored)
+        start = 0
+        for k, (_, n, future) in enumerate(pending):
+            if future.done():  # a request cancelled (its client gone) is skipped
+                start += 0 if k in refused else n
+            elif k in refused:
+                future.set_exception(refused[k])
+            else:
+                future.set_result((scores[start:start + n], model))
+                start += n
 
 
 class NonFinite(Exception):

@@ -101,7 +101,9 @@ def convert_columns(schema, rows: dict, n: int, path: str = "$") -> dict:
 def merge_columns(requests: list[tuple[dict, int]]) -> dict | None:
     """The columns of several checked requests ((columns, rows) each) as one request's: a column is
     the concatenation of theirs, all missing where a request left it out. What it converts to equals
-    the requests' batches converted alone and stacked (a value means the same in any row). None
+    the requests' batches converted alone and stacked (a value means the same in any row; one
+    exception: a dense integer beyond 2**53 beside another request's floats is rounded to a double
+    first, which may move it one float32 step). None
     where a column mixes lists and numpy arrays, or arrays of two dtypes (each request is then
     converted alone)."""
     names = list(dict.fromkeys(name for columns, _ in requests for name in columns))
