@@ -59,9 +59,10 @@ class CompiledStep:
     def __init__(self, gm: torch.fx.GraphModule):
         target = _step_graph(gm)
         split = split_at_lookups(target)
-        for name, segment in dense_segments(split).items():
+        segments = dense_segments(split)
+        for name, segment in segments.items():
             setattr(split, name, _CompiledSegment(segment, self))
-        self.segments = len(dense_segments(split))
+        self.segments = len(segments)
         self.failed: str | None = None
         if target is gm:
             self.run = split

@@ -28,7 +28,7 @@ from deeprec.data.collate import batch_rows, collate
 from deeprec.serving import ServedModel, ServingError
 from deeprec.serving.export import MANIFEST
 from deeprec.serving.online import ExportFolder
-from deeprec.serving.request import RequestError, convert_columns, merge_columns
+from deeprec.serving.request import RequestError, convert_columns, merge_columns, request_rows
 
 log = logging.getLogger("deeprec.serve")
 _CPU = torch.device("cpu")
@@ -142,6 +142,15 @@ class Pending:
     rows: int
     path: str
     located: Callable[[RequestError], RequestError] = lambda err: err
+
+    @classmethod
+    def checked(cls, schema, columns: dict, path: str, max_rows: int | None,
+                located: Callable[[RequestError], RequestError]) -> "Pending":
+        """A request whose shape `request_rows` accepts; its refusal named by `located`."""
+        try:
+            return cls(columns, request_rows(schema, columns, path, max_rows), path, located)
+        except RequestError as err:
+            raise located(err) from None
 
     def batch(self, model: ServedModel) -> dict:
         try:
@@ -271,13 +280,13 @@ class Batcher:
             self.rows_metric.observe(scored)
         start = 0
         for k, (_, n, future) in enumerate(pending):
-            if future.done():  # a request cancelled (its client gone) is skipped
-                start += 0 if k in refused else n
-            elif k in refused:
-                future.set_exception(refused[k])
-            else:
+            if k in refused:
+                if not future.done():
+                    future.set_exception(refused[k])
+                continue
+            if not future.done():  # a request cancelled (its client gone) is skipped
                 future.set_result((scores[start:start + n], model))
-                start += n
+            start += n
 
 
 class NonFinite(Exception):

@@ -44,7 +44,6 @@ from deeprec.errors import ConfigError
 from deeprec.serving import RequestError
 from deeprec.serving import protocols as p
 from deeprec.serving.repository import Metrics, NonFinite, Pending, Served, model_name, open_repository
-from deeprec.serving.request import request_rows
 
 MAX_BODY_BYTES = 8 << 20  # --max-body-bytes: a larger body is a 413, its rest read and dropped (_drain)
 # What a refusal (413, 401, 404) reads of the rest of the body before it answers, as nginx's lingering
@@ -210,11 +209,7 @@ def make_app(models, max_batch: int = 256, max_wait_ms: float = 0.0, folder=None
                     model = model_served.model
                     columns, style = p.v1_columns(p.loads(await read_body(request)), model, max_rows)
                     located = p.at_rows if style == "instances" else (lambda err: err)
-                    try:
-                        pending = Pending(columns, request_rows(model.schema, columns, f"$.{style}", max_rows),
-                                          f"$.{style}", located)
-                    except RequestError as err:
-                        raise located(err)
+                    pending = Pending.checked(model.schema, columns, f"$.{style}", max_rows, located)
                 if model_served.not_ready is not None:
                     return _json({"error": f"the model served cannot answer: {model_served.not_ready}"}, 503)
                 scores, scored = await model_served.score(pending)  # its values are converted with the batch
@@ -238,13 +233,8 @@ def make_app(models, max_batch: int = 256, max_wait_ms: float = 0.0, folder=None
             with model_served.batcher.arriving():  # the batch being formed waits for this request
                 infer = p.v2_request(await read_body(request),
                                      request.headers.get("inference-header-content-length"), model, max_rows)
-                columns = p.v2_columns(infer, model)
-                located = functools.partial(p.at_inputs, request=infer)
-                try:
-                    pending = Pending(columns, request_rows(model.schema, columns, "$.inputs", max_rows), "$.inputs",
-                                      located)
-                except RequestError as err:
-                    raise located(err)
+                pending = Pending.checked(model.schema, p.v2_columns(infer, model), "$.inputs", max_rows,
+                                          functools.partial(p.at_inputs, request=infer))
             if model_served.not_ready is not None:
                 return _json({"error": f"model {model_served.name!r} cannot answer: {model_served.not_ready}"}, 503)
             scores, scored = await model_served.score(pending)  # its values are converted with the batch
