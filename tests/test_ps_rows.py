@@ -54,7 +54,7 @@ def test_the_ops_check_every_argument_before_writing():
                 dict(count=torch.tensor([4])), dict(slot_values=[])):
         with pytest.raises(RuntimeError, match="ps_init_rows"):
             torch.ops.deeprec.ps_init_rows(**{**args, **bad})
-        assert torch.equal(arena.weight, weight)
+        assert torch.equal(arena.weight.view(torch.int32), weight.view(torch.int32))  # bitwise: rows never written hold whatever memory held, NaN included
     with pytest.raises(RuntimeError, match="ps_gather_rows: a row is out of range"):
         arena.gather(torch.tensor([0, arena.capacity]))
     with pytest.raises(RuntimeError, match="ps_gather_rows: out must be"):
