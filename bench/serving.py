@@ -5,6 +5,7 @@ the time to apply an online delta.
 
     python bench/serving.py                 # the one command (about 3-4 minutes on 2 cores)
     python bench/serving.py --requests 200  # fewer requests per measurement
+    python bench/serving.py --peer-only     # in process and the ONNX Runtime peer only (no HTTP; about a minute)
 
 A DLRM with EmbeddingVariables, trained briefly on the bundled Criteo sample, is exported with its
 compiled package, and a copy without it is made (the loader then scores with the traced program).
@@ -13,6 +14,7 @@ process; this process is the client, on loopback. The client is lean, since it s
 with the server: bodies pre-encoded with orjson, a minimal HTTP/1.1 keep-alive client on a blocking
 socket (1 client) or on asyncio streams (8 clients), no HTTP library on the request path (http.client
 is measured once beside it, for its own overhead). Requests carry real rows of the sample.
+ONNX Runtime on the same model is the peer row, in process (bench/serving_peer.py).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import warnings
 import numpy as np
 import orjson
 
+import serving_peer
 from _common import cpu_line, print_table, save_figure, save_json
 
 HOST = "127.0.0.1"
@@ -697,6 +700,8 @@ def table(results: dict, clients: int) -> list[list]:
                     target, met = "p50 <= 0.5", mark(e["p50_ms"] <= TARGETS["in_process_1_row_ms"])
                 rows.append([variant, label, n, 1, f"{e['p50_ms']:.3f}", f"{e['p99_ms']:.3f}",
                              f"{n / e['p50_ms'] * 1e3:,.0f}", target, met])
+        if "http" not in results:  # --peer-only
+            continue
         http = results["http"][variant]
         f = http["floor_get_live"]
         rows.append([variant, "HTTP GET /v2/health/live", 0, 1, f"{f['p50_ms']:.3f}", f"{f['p99_ms']:.3f}", "", "", ""])
@@ -723,7 +728,11 @@ def plot(results: dict, clients: int) -> None:
     import matplotlib.pyplot as plt
 
     colors = {"traced": "tab:gray", "compiled": "tab:blue"}
-    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4.2))
+    peer = results.get("peer_onnxruntime")
+    fig, axes = plt.subplots(1, 3 + (peer is not None), figsize=(15 + 5 * (peer is not None), 4.2))
+    left, middle, right = axes[:3]
+    if peer is not None:
+        serving_peer.plot_panel(axes[3], peer)
     ip = {v: results["in_process"][v][f"threads_{SERVER_THREADS}"] for v in VARIANTS}
     for k, v in enumerate(VARIANTS):
         xs = [i + 0.4 * k for i in range(len(IN_PROCESS_ROWS))]
@@ -775,6 +784,8 @@ def main() -> None:
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled server run")
     parser.add_argument("--before", metavar="DIR", help="also serve the compiled export with another checkout's "
                         "deeprec (its extension built), in the same run: a before/after table")
+    parser.add_argument("--peer-only", action="store_true", help="only the in-process measurement and the ONNX "
+                        "Runtime peer (bench/serving_peer.py), no HTTP servers: bench/results/serving_peer.json")
     args = parser.parse_args()
 
     import torch
@@ -815,9 +826,16 @@ def main() -> None:
         results["in_process"] = in_process(served, rows, args.requests, threads)
         results["in_process_threads"] = {"measured": threads, "default": default_threads,
                                          "table_and_targets": SERVER_THREADS}
-        stages = handler_stages(served, rows, max(100, args.requests // 2))
+        stages = None if args.peer_only else handler_stages(served, rows, max(100, args.requests // 2))
         torch.set_num_threads(default_threads)
         lap("in_process")
+        print("in process, ONNX Runtime peer (bench/serving_peer.py) ...", flush=True)
+        results["peer_onnxruntime"] = serving_peer.run(served, lambda n: rows_of(rows, n), args.requests,
+                                                       latency_stats, folder, SERVER_THREADS)
+        torch.set_num_threads(default_threads)
+        lap("peer_onnxruntime")
+        if args.peer_only:
+            return _peer_only_report(results, took, began)
 
         results["http"] = {}
         for variant in VARIANTS:
@@ -858,18 +876,34 @@ def main() -> None:
         results["delta_apply"] = delta_apply(path)
         lap("delta_apply")
     results["phase_seconds"] = took
-    results["verdicts"] = verdicts(results, args.clients)
+    results["verdicts"] = verdicts(results, args.clients) + [  # the peer's targets: ratios to ONNX Runtime
+        {"variant": "compiled", **v} for v in results["peer_onnxruntime"].get("verdicts", [])]
     results["seconds"] = time.perf_counter() - began
 
     print_table(f"deeprec serve, DLRM (EmbeddingVariables), loopback, client sharing the cores - {cpu_line()}; "
                 f"server --threads {SERVER_THREADS}, in process {SERVER_THREADS} torch thread",
                 ["variant", "load", "rows", "clients", "p50 ms", "p99 ms", "rows/s", "target", ""],
                 table(results, args.clients))
+    serving_peer.print_table(results["peer_onnxruntime"])
     _print_where(results, args.clients)
     if "http_before" in results:
         _print_before_after(results, args.clients)
     print("saved", save_json("serving", results))
     plot(results, args.clients)
+    print(f"{results['seconds']:.0f} s in all")
+
+
+def _peer_only_report(results: dict, took: dict, began: float) -> None:
+    """--peer-only: the in-process rows and the peer's, in bench/results/serving_peer.json and .png
+    (serving.json keeps the full run's)."""
+    results["phase_seconds"], results["seconds"] = took, time.perf_counter() - began
+    print_table(f"deeprec in process, DLRM (EmbeddingVariables) - {cpu_line()}; {SERVER_THREADS} torch thread",
+                ["variant", "load", "rows", "clients", "p50 ms", "p99 ms", "rows/s", "target", ""],
+                table(results, results["clients"]))
+    serving_peer.print_table(results["peer_onnxruntime"])
+    print("saved", save_json("serving_peer", results))
+    if "skipped" not in results["peer_onnxruntime"]:
+        serving_peer.plot(results["peer_onnxruntime"])
     print(f"{results['seconds']:.0f} s in all")
 
 
