@@ -233,7 +233,8 @@ def cmd_serve(args, console: Console) -> int:
         raise ConfigError("--token is empty")
     token = args.token.strip() if args.token else read_token(args.token_file)  # else DEEPREC_PS_TOKEN, as the PS
     serve(args.model_dir, args.host, args.port, args.max_batch, args.max_wait_ms, args.threads, args.watch_interval,
-          max_rows=args.max_rows, max_body_bytes=max_body, token=token, name=args.model_name)
+          max_rows=args.max_rows, max_body_bytes=max_body, token=token, name=args.model_name,
+          grpc_port=args.grpc_port)
     return 0
 
 
@@ -419,13 +420,18 @@ def build_parser() -> argparse.ArgumentParser:
     xp.set_defaults(func=cmd_export)
 
     sv = sub.add_parser("serve", help="HTTP inference server of exports: /v1/predict, TF Serving's /v1/models "
-                        "and the Open Inference Protocol (KServe v2, Triton) /v2/models")
+                        "and the Open Inference Protocol (KServe v2, Triton) /v2/models, and its gRPC service "
+                        "(--grpc-port)")
     sv.add_argument("model_dir", help="an export, a training's --export-dir (followed while serving), or a model "
                     "repository: a folder of those, each served under its folder name")
     sv.add_argument("--model-name", default=None, help="the name a single export is served under, in every URL "
                     "(/v1/models/NAME, /v2/models/NAME) and metadata answer (default: its folder's name)")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless given)")
     sv.add_argument("--port", type=port_number, default=8080, help="0: any free port (printed)")
+    sv.add_argument("--grpc-port", type=port_number, default=None, metavar="PORT",
+                    help="also serve the Open Inference Protocol's gRPC service (KServe v2 / Triton: "
+                    "inference.GRPCInferenceService, tritonclient.grpc) on this port of --host, through the same "
+                    "batchers; 0: any free port (printed: 'grpc listening on HOST:PORT'); off unless given")
     sv.add_argument("--max-batch", type=at_least(1), default=256, help="rows per model call, concurrent requests merged")
     sv.add_argument("--max-wait-ms", type=non_negative_float, default=0.0, help="extra wait for more requests to "
                     "batch (default 0: a batch is what queued while the previous one scored)")

@@ -71,7 +71,7 @@ def output_names(model) -> list[str]:
     return ["scores"] if len(model.labels) == 1 else list(model.labels)
 
 
-def _output(scores: np.ndarray, model, name: str) -> np.ndarray:
+def output_values(scores: np.ndarray, model, name: str) -> np.ndarray:
     if scores.ndim == 1:
         return scores
     return np.ascontiguousarray(scores[:, model.labels.index(name)])
@@ -151,7 +151,7 @@ def v1_answer(scores: np.ndarray, model, style: str, tf: bool, step: int) -> dic
     """/v1/predict: {"scores", "step"} for columns, {"predictions", "step"} for rows. TF Serving's own
     route (tf): {"outputs"} for columns, {"predictions"} for rows, nothing else, as TF Serving answers."""
     if style == "inputs":
-        value = scores if scores.ndim == 1 else {name: _output(scores, model, name) for name in model.labels}
+        value = scores if scores.ndim == 1 else {name: output_values(scores, model, name) for name in model.labels}
         return {"outputs": value} if tf else {"scores": value, "step": step}
     rows = scores if scores.ndim == 1 else [dict(zip(model.labels, row)) for row in scores.tolist()]
     return {"predictions": rows} if tf else {"predictions": rows, "step": step}
@@ -219,6 +219,14 @@ def triton_config(name: str, model) -> dict:
             "output": [tensor(o, "FP32") for o in output_names(model)]}
 
 
+def server_metadata() -> dict:
+    """GET /v2 and gRPC's ServerMetadata: the server, its version, the protocol's extensions it serves."""
+    import deeprec
+
+    return {"name": "deeprec", "version": deeprec.__version__,
+            "extensions": ["binary_tensor_data", "model_configuration"]}
+
+
 class V2Request:
     """An inference request: columns for ServedModel.batch, and the outputs asked (name, binary)."""
 
@@ -241,37 +249,16 @@ def v2_request(body: bytes, header_length: str | None, model, max_rows: int | No
     if not isinstance(header, dict) or not isinstance(header.get("inputs"), list) or not header["inputs"]:
         raise RequestError("the body must be {\"inputs\": [{\"name\", \"datatype\", \"shape\", \"data\"}, ...]} "
                            "(the Open Inference Protocol)")
-    inputs = {c.name: c for c in model_inputs(model)}
-    columns, order, rows, offset = {}, {}, None, 0
+    inputs, offset = V2Inputs(model, max_rows), 0
     for k, tensor in enumerate(header["inputs"]):
         path = f"$.inputs[{k}]"
         if not isinstance(tensor, dict):
             raise RequestError("expected an input {\"name\", \"datatype\", \"shape\", \"data\"}", path)
-        name = tensor.get("name")
-        c = inputs.get(name) if isinstance(name, str) else None
-        if c is None:
-            raise RequestError(f"input {name!r} is not an input of the model (its inputs: {', '.join(inputs)})",
-                               f"{path}.name")
-        if name in columns:
-            raise RequestError(f"input {name!r} is given twice (also $.inputs[{order[name]}])", f"{path}.name")
-        kind = tensor.get("datatype")
-        if kind not in _ACCEPTED[_family(c)]:
-            raise RequestError(f"input {name!r}: datatype {json.dumps(kind)}, this input takes {datatype(c)} "
-                               f"(or {', '.join(t for t in _ACCEPTED[_family(c)] if t != datatype(c)) or 'no other'})",
-                               f"{path}.datatype")
-        count = _shape(tensor.get("shape"), name, f"{path}.shape")
-        if rows is not None and tensor["shape"][0] != rows:
-            raise RequestError(f"input {name!r}: {tensor['shape'][0]} rows, the inputs before it have {rows}",
-                               f"{path}.shape")
-        rows = tensor["shape"][0]
-        _check_rows(rows, max_rows, f"{path}.shape")  # before its data is read: a small body may claim many rows
-        parameters = tensor.get("parameters") or {}
-        if not isinstance(parameters, dict) or "shared_memory_region" in parameters:
-            raise RequestError(f"input {name!r}: parameters must be an object; shared memory is not served "
-                               "(send the data in the body)", f"{path}.parameters")
+        name, kind, parameters = tensor.get("name"), tensor.get("datatype"), tensor.get("parameters") or {}
+        count = inputs.check(k, name, kind, tensor.get("shape"), parameters)
         size = parameters.get("binary_data_size")
         if size is None:
-            values = _json_data(tensor.get("data"), name, tensor["shape"], f"{path}.data")
+            values = json_values(tensor.get("data"), name, tensor["shape"], f"{path}.data")
         else:
             if "data" in tensor:
                 raise RequestError(f"input {name!r}: both data and binary_data_size; give one", path)
@@ -279,13 +266,51 @@ def v2_request(body: bytes, header_length: str | None, model, max_rows: int | No
                 raise RequestError(f"input {name!r}: binary_data_size {json.dumps(size)}, {len(binary) - offset} "
                                    "bytes of binary data are left after the header and the inputs before",
                                    f"{path}.parameters.binary_data_size")
-            values = _binary_data(binary[offset:offset + size], kind, count, name, path)
+            values = binary_values(binary[offset:offset + size], kind, count, name, path)
             offset += size
-        columns[name], order[name] = values, k
+        inputs.add(k, name, values)
     if offset != len(binary):
         raise RequestError(f"{len(binary) - offset} bytes of binary data after the inputs' (binary_data_size "
                            "of each binary input must add up to the body after the header)")
-    return V2Request(header.get("id"), columns, order, _outputs(header, model))
+    return V2Request(header.get("id"), inputs.columns, inputs.order, requested_outputs(header, model))
+
+
+class V2Inputs:
+    """The inputs of one infer request, checked one by one as they are read (HTTP's JSON header, gRPC's
+    ModelInferRequest): each an input of the model, given once, of a datatype it takes, shaped [rows] or
+    [rows, 1], all of one row count within max_rows, no shared memory. `columns` {name: values}, `order`
+    {name: its index k in the request}."""
+
+    def __init__(self, model, max_rows: int | None):
+        self.inputs, self.max_rows = {c.name: c for c in model_inputs(model)}, max_rows
+        self.columns, self.order, self.rows = {}, {}, None
+
+    def check(self, k: int, name, kind, shape, parameters) -> int:
+        """The element count of input k (its rows), once its name, datatype, shape and parameters are checked."""
+        path = f"$.inputs[{k}]"
+        c = self.inputs.get(name) if isinstance(name, str) else None
+        if c is None:
+            raise RequestError(f"input {name!r} is not an input of the model (its inputs: {', '.join(self.inputs)})",
+                               f"{path}.name")
+        if name in self.columns:
+            raise RequestError(f"input {name!r} is given twice (also $.inputs[{self.order[name]}])", f"{path}.name")
+        if kind not in _ACCEPTED[_family(c)]:
+            raise RequestError(f"input {name!r}: datatype {json.dumps(kind)}, this input takes {datatype(c)} "
+                               f"(or {', '.join(t for t in _ACCEPTED[_family(c)] if t != datatype(c)) or 'no other'})",
+                               f"{path}.datatype")
+        count = _shape(shape, name, f"{path}.shape")
+        if self.rows is not None and shape[0] != self.rows:
+            raise RequestError(f"input {name!r}: {shape[0]} rows, the inputs before it have {self.rows}",
+                               f"{path}.shape")
+        self.rows = shape[0]
+        _check_rows(self.rows, self.max_rows, f"{path}.shape")  # before its data: a small body may claim many rows
+        if not isinstance(parameters, dict) or "shared_memory_region" in parameters:
+            raise RequestError(f"input {name!r}: parameters must be an object; shared memory is not served "
+                               "(send the data in the body)", f"{path}.parameters")
+        return count
+
+    def add(self, k: int, name: str, values) -> None:
+        self.columns[name], self.order[name] = values, k
 
 
 def _shape(shape, name: str, path: str) -> int:
@@ -296,7 +321,7 @@ def _shape(shape, name: str, path: str) -> int:
     return shape[0]
 
 
-def _json_data(data, name: str, shape: list, path: str) -> list:
+def json_values(data, name: str, shape: list, path: str) -> list:
     """The values of `data`, flat (row-major) if the client nested them as the shape [rows, 1]."""
     if not isinstance(data, list):
         raise RequestError(f"input {name!r}: expected data (a list of values) or parameters.binary_data_size", path)
@@ -308,7 +333,7 @@ def _json_data(data, name: str, shape: list, path: str) -> list:
     return data
 
 
-def _binary_data(chunk: memoryview, kind: str, count: int, name: str, path: str):
+def binary_values(chunk: memoryview, kind: str, count: int, name: str, path: str):
     """Raw little-endian values; BYTES: each element a 4-byte little-endian length, then its bytes."""
     if kind == "BYTES":
         return _bytes_elements(chunk, count, name, path)
@@ -365,7 +390,7 @@ def at_inputs(err: RequestError, request: V2Request) -> RequestError:
     return _renamed(err, "$.inputs", where)
 
 
-def _outputs(header: dict, model) -> list[tuple[str, bool]]:
+def requested_outputs(header: dict, model) -> list[tuple[str, bool]]:
     """(name, binary) of each output to answer; binary if the request asks (binary_data_output for all,
     an output's parameters.binary_data for it)."""
     parameters = header.get("parameters") or {}
@@ -396,7 +421,7 @@ def v2_answer(name: str, model, request: V2Request, scores: np.ndarray) -> tuple
     """The infer answer and its headers: JSON, or a JSON header then the binary outputs."""
     outputs, blobs = [], []
     for output, binary in request.outputs:
-        values = _output(scores, model, output)
+        values = output_values(scores, model, output)
         tensor = {"name": output, "datatype": "FP32", "shape": [len(values)]}
         if binary:
             blobs.append(values.astype("<f4", copy=False).tobytes())

@@ -8,6 +8,9 @@
     GET  /v2/models/{name}[/ready]      model metadata and readiness,
     POST /v2/models/{name}/infer        inference, JSON or binary tensors (protocols.py)
     GET  /healthz, /metrics             {"status": "ok", "step": N, "model": the manifest's}; Prometheus text
+    --grpc-port PORT                    also the Open Inference Protocol's gRPC service (KServe v2, Triton's
+                                        inference.GRPCInferenceService) on this event loop, through the same
+                                        batchers (grpc_service.py); prints `grpc listening on HOST:PORT`
 
     request ──token? (401)──body <= max_body_bytes? (413)──decode, check the columns' shape (400)──>
         the model's queue ──batcher: what queued while the last batch scored, up to max_batch rows──>
@@ -39,7 +42,6 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-import deeprec
 from deeprec.errors import ConfigError
 from deeprec.serving import RequestError
 from deeprec.serving import protocols as p
@@ -103,12 +105,14 @@ def _json(value, status: int = 200, headers: dict | None = None) -> Response:
 
 def make_app(models, max_batch: int = 256, max_wait_ms: float = 0.0, folder=None, watch_interval_s: float = 1.0,
              *, max_rows: int = MAX_ROWS, max_body_bytes: int = MAX_BODY_BYTES, token: str | None = None,
+             grpc_address: tuple[str, int] | None = None,
              name: str | None = None) -> Starlette:
     """`models`: a ServedModel, served as `name` (default: its export's folder name, or the followed
     export dir's: repository.model_name), or {name: ServedModel} (a repository: metrics labelled by
     model). `folder`: the ExportFolder a model follows ({name: folder} for several); new deltas and
     full exports in it are applied while serving. `token`: the scoring and model routes
-    require `Authorization: Bearer <token>` (health, /v2 and /metrics stay open)."""
+    require `Authorization: Bearer <token>` (health, /v2 and /metrics stay open). `grpc_address`: (host,
+    port) to serve gRPC on too (grpc_service.py), started and stopped with the app (its lifespan)."""
     labelled = isinstance(models, dict)
     if not labelled:
         name = model_name(folder.directory if folder is not None else models.path, name)
@@ -273,8 +277,7 @@ def make_app(models, max_batch: int = 256, max_wait_ms: float = 0.0, folder=None
         return _json({"ready": ok}, 200 if ok else 503)
 
     async def server_metadata(request: Request) -> Response:
-        return _json({"name": "deeprec", "version": deeprec.__version__,
-                      "extensions": ["binary_tensor_data", "model_configuration"]})
+        return _json(p.server_metadata())
 
     async def repository_index(request: Request) -> Response:
         if not authorized(request):
@@ -293,7 +296,18 @@ def make_app(models, max_batch: int = 256, max_wait_ms: float = 0.0, folder=None
             s.batcher.start()
             if s.folder is not None:
                 watchers.append(loop.create_task(s.watch()))
+        grpc_server = None
+        if grpc_address is not None:  # on this loop, uvicorn's (uvloop): grpc.aio runs on it
+            from deeprec.serving.grpc_service import start_grpc
+
+            grpc_server, address = await start_grpc(served, *grpc_address, token=token, max_rows=max_rows,
+                                                    max_body_bytes=max_body_bytes)
+            print(f"grpc listening on {address}", flush=True)
         yield
+        if grpc_server is not None:  # before the batchers stop: the calls in flight are answered
+            from deeprec.serving.grpc_service import GRACE_S
+
+            await grpc_server.stop(GRACE_S)
         for task in [*watchers, *(s.batcher.task for s in served.values())]:
             task.cancel()
         for s in served.values():
@@ -350,6 +364,7 @@ def _inflated(body: bytes, encoding: str | None, limit: int) -> bytes:
 def serve(path: str, host: str = "127.0.0.1", port: int = 8080, max_batch: int = 256,
           max_wait_ms: float = 0.0, threads: int | None = None, watch_interval_s: float = 1.0, *,
           max_rows: int = MAX_ROWS, max_body_bytes: int = MAX_BODY_BYTES, token: str | None = None,
+          grpc_port: int | None = None,
           name: str | None = None) -> None:
     """Serve the export, export dir or model repository at `path` until interrupted; prints
     `listening on http://host:port` when ready. `name`: a single export's name (default: its
@@ -358,16 +373,21 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 8080, max_batch: int =
     from deeprec.security import is_loopback
 
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
+    grpc = None if grpc_port is None else (host, grpc_port)  # the gRPC service too (grpc_service.py)
+    if grpc is not None:  # a port in use stops the start now, before the models load
+        from deeprec.serving.grpc_service import check_address
+
+        check_address(*grpc)
     opened, repository = open_repository(path, name)
     models = {name: model for name, (model, _) in opened.items()}
     folders = {name: folder for name, (_, folder) in opened.items()}
     if repository:
         app = make_app(models, max_batch, max_wait_ms, folders, watch_interval_s, max_rows=max_rows,
-                       max_body_bytes=max_body_bytes, token=token)
+                       max_body_bytes=max_body_bytes, token=token, grpc_address=grpc)
     else:
         (name, model), = models.items()
         app = make_app(model, max_batch, max_wait_ms, folders[name], watch_interval_s, max_rows=max_rows,
-                       max_body_bytes=max_body_bytes, token=token, name=name)
+                       max_body_bytes=max_body_bytes, token=token, name=name, grpc_address=grpc)
     if token is None and not is_loopback(f"{host}:{port}"):
         log.warning("serving on %s without a token: anyone who reaches it may predict (--token-file)", host)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
