@@ -32,11 +32,15 @@ def test_export_scores_exactly_as_evaluation(tmp_path, model, embedding):
                      step=trainer.step, compile=False)  # the traced program; the compiled one: test_serving_compiled
     served = dr.serving.load(path)
     assert served.step == 3 and served.manifest["model"] == model
+    # every size symbolic from 0: 1 row is scored as it is (the models whose trace still assumes a size
+    # above 1, or that torch.export cannot load back, are padded to 2 rows: DeepFM, WDL, DIN over tables
+    # today); DLRM, the one the serving bench measures, must stay so
+    assert served.any_size or model != "dlrm"
     trainer.model.eval()
-    for size in (50, 7, 1):  # any batch size, one row included
+    for size in (50, 7, 2, 1):  # any batch size, one row included
         batch = next(iter(open_reader([data], size, schema=trainer.schema)))
-        # a 1-row request is scored as the row twice (torch.export specializes size 1): compare on that batch
-        same = collate([batch, batch]) if size == 1 else batch
+        # a padded 1-row request is scored as the row twice: compare on that batch
+        same = collate([batch, batch]) if size == 1 and not served.any_size else batch
         with torch.no_grad():
             want = trainer.model(same)["logits"][:size]
         assert torch.equal(served.logits(batch), want), size  # exact on CPU fp32

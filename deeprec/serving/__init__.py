@@ -57,6 +57,7 @@ class ServedModel:
             self.path, self.step = path, int(self.manifest["step"])
             self.schema = schema_from_dict(self.manifest["schema"])
             self.labels = list(self.manifest["labels"])
+            self.any_size = self.manifest.get("any_size") is True  # older exports: 1 row padded to 2
         except (KeyError, TypeError, ValueError) as err:  # a manifest without its checksums or fields
             raise ServingError(f"{manifest_path}: not a complete deeprec export manifest ({type(err).__name__}: "
                                f"{err}); export it again") from None
@@ -164,6 +165,8 @@ class ServedModel:
         return self._score(self.module, batch, rows)
 
     def _score(self, program, batch: dict, rows: int) -> torch.Tensor:
+        if self.any_size:
+            return program(batch)["logits"].cpu()
         if any(_short(batch[c.name]) for c in self.schema.columns if c.kind == "sequence"):  # 0 or 1 ids: padded
             out = program(collate([batch, self._padding()]))["logits"][:rows]
         elif rows == 1:  # torch.export specializes sizes 0 and 1: score the row twice

@@ -12,8 +12,11 @@
                            the names of modules and tensors registered under several names (a shared
                            EmbeddingVariable: stored once, tied again on loading; serving.frozen.shared_names)
 
-The batch dimension is dynamic (traced on a 5-row batch with uneven bags and sequences);
-serving pads a 1-row request to 2 rows, as torch.export specializes sizes 0 and 1.
+The batch dimension is dynamic (traced on a 5-row batch with uneven bags and sequences), every size
+symbolic from 0 (`backed_size_oblivious`: torch.export would otherwise specialize sizes 0 and 1). Where
+the program then scores 1 row, and sequences of 0 and 1 ids, exactly as the model does, the manifest
+says `"any_size": true` and serving calls it as it is; else (a model whose trace still assumes a size
+above 1) serving pads a 1-row request to 2 rows, as it does for older exports.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import tempfile
 import warnings
 
 import torch
+import torch.fx.experimental._config as fx_config
 from safetensors.torch import save_file
 from torch.export import Dim, ShapesCollection
 from torch.utils._pytree import tree_leaves, tree_map
@@ -57,6 +61,40 @@ def _dynamic_shapes(batch: dict) -> ShapesCollection:
     return shapes
 
 
+def _trace(frozen: torch.nn.Module, batch: dict, any_size: bool = True) -> torch.export.ExportedProgram:
+    with torch.no_grad(), fx_config.patch(backed_size_oblivious=any_size):
+        return torch.export.export(frozen, (batch,), dynamic_shapes=_dynamic_shapes(batch), strict=False)
+
+
+def _any_size(program: torch.export.ExportedProgram, frozen: torch.nn.Module, schema: Schema) -> bool:
+    """Whether the program scores 1 row, and sequences of 0 and 1 ids, bitwise as the model does (a
+    trace may still hold a guard that a size is not 1, from a stride computed on the way: it refuses)."""
+    module = program.module()
+    for rows in (1, 2):  # example rows' sequences hold 0, 1, ... ids
+        batch = example_batch(schema, rows)
+        try:
+            with torch.no_grad():
+                got, want = tree_leaves(module(batch)), tree_leaves(frozen(batch))
+        except Exception:  # noqa: BLE001 - a guard or a shape the program refuses: padded instead
+            return False
+        if len(got) != len(want) or not all(torch.equal(g, w) for g, w in zip(got, want)):
+            return False
+    return True
+
+
+def _loads(file: str) -> bool:
+    """Whether torch.export.load reads the program back: its deserializer refuses some traces with every
+    size symbolic from 0 (DIN over hashed tables: "expected no unbacked symbols", a size it had replaced)."""
+    from deeprec.ragged import Ragged
+
+    try:
+        with torch.serialization.safe_globals([Ragged]):
+            torch.export.load(file)
+    except Exception:  # noqa: BLE001 - whatever it raises, that trace cannot be served: the usual one is
+        return False
+    return True
+
+
 def export(model: torch.nn.Module, path: str, *, schema: Schema | None = None, model_name: str | None = None,
            step: int = 0, progress=None, compile: bool | None = None) -> str:
     """Write a self-contained serving export of `model` to the folder `path` (replaced atomically).
@@ -79,10 +117,12 @@ def export(model: torch.nn.Module, path: str, *, schema: Schema | None = None, m
         freeze_variables(frozen)
         batch = example_batch(schema)
         shown.stage(STAGES[1])
-        with torch.no_grad():
-            program = torch.export.export(frozen, (batch,), dynamic_shapes=_dynamic_shapes(batch), strict=False)
+        program = _trace(frozen, batch)
+        any_size = _any_size(program, frozen, schema)
+        if not any_size:  # the usual trace (sizes 0 and 1 specialized): 1 row is padded to 2
+            program = _trace(frozen, batch, any_size=False)
         shown.stage(STAGES[2])
-        _write(program, model, path, schema, batch, model_name, step, shown, frozen, compile)
+        _write(program, model, path, schema, batch, model_name, step, shown, frozen, compile, any_size)
     return path
 
 
@@ -99,9 +139,7 @@ def _compile(frozen: torch.nn.Module, program, batch: dict, staging: str,
         try:
             on_gpu = copy.deepcopy(frozen).to("cuda")
             gpu_batch = tree_map(lambda t: t.to("cuda") if isinstance(t, torch.Tensor) else t, batch)
-            with torch.no_grad():
-                gpu_program = torch.export.export(on_gpu, (gpu_batch,), dynamic_shapes=_dynamic_shapes(gpu_batch),
-                                                  strict=False)
+            gpu_program = _trace(on_gpu, gpu_batch)
             compiled["cuda"] = compile_package(gpu_program, os.path.join(staging, package_name("cuda")), "cuda", held)
         except Exception as err:  # the CPU package stands; serving on the GPU says why it has none
             warnings.warn(f"export: no CUDA package ({type(err).__name__}: {str(err).splitlines()[0]})", stacklevel=3)
@@ -149,7 +187,7 @@ def _check_room(folder: str, needed: int) -> None:
 
 
 def _write(program, model, path: str, schema: Schema, batch: dict, model_name, step: int, shown,
-           frozen: torch.nn.Module, compile: bool = True) -> None:
+           frozen: torch.nn.Module, compile: bool = True, any_size: bool = False) -> None:
     """The export's files into a staging folder, then swapped in for `path` (replace_dir)."""
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
@@ -158,6 +196,9 @@ def _write(program, model, path: str, schema: Schema, batch: dict, model_name, s
         tensors = {**program.state_dict, **{k: v for k, v in program.constants.items() if isinstance(v, torch.Tensor)}}
         _check_room(staging, (2 + compile) * sum(t.numel() * t.element_size() for t in tensors.values()) + (1 << 20))
         torch.export.save(program, os.path.join(staging, PROGRAM))
+        if any_size and not _loads(os.path.join(staging, PROGRAM)):
+            program, any_size = _trace(frozen, batch, any_size=False), False
+            torch.export.save(program, os.path.join(staging, PROGRAM))
         shown.stage(STAGES[3])
         tensors, shared = shared_names(frozen, tensors)  # a module under several names: stored once
         save_file({k: v.detach().contiguous() for k, v in tensors.items()}, os.path.join(staging, TABLES))
@@ -169,6 +210,7 @@ def _write(program, model, path: str, schema: Schema, batch: dict, model_name, s
             manifest = {"format": FORMAT, "model": model_name or type(model).__name__.lower(), "step": int(step),
                         "schema": schema_to_dict(schema), "labels": list(getattr(model, "label_columns", ("label",))),
                         "inputs": sorted(batch), "compiled": list(compiled), "shared": shared,
+                        "any_size": any_size,  # 1 row scored as it is, not padded
                         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the ISA the .so's kernels use
                         "cpu_flags": cpu_flags(),  # -march=native: the package may use any of them
                         "deeprec": deeprec.__version__, "torch": torch.__version__}
