@@ -234,7 +234,7 @@ def cmd_serve(args, console: Console) -> int:
     token = args.token.strip() if args.token else read_token(args.token_file)  # else DEEPREC_PS_TOKEN, as the PS
     serve(args.model_dir, args.host, args.port, args.max_batch, args.max_wait_ms, args.threads, args.watch_interval,
           max_rows=args.max_rows, max_body_bytes=max_body, token=token, name=args.model_name,
-          grpc_port=args.grpc_port)
+          grpc_port=args.grpc_port, workers=args.workers)
     return 0
 
 
@@ -435,7 +435,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-batch", type=at_least(1), default=256, help="rows per model call, concurrent requests merged")
     sv.add_argument("--max-wait-ms", type=non_negative_float, default=0.0, help="extra wait for more requests to "
                     "batch (default 0: a batch is what queued while the previous one scored)")
-    sv.add_argument("--threads", type=at_least(1), default=None, help="torch threads scoring (default: cores - 1)")
+    sv.add_argument("--threads", type=at_least(1), default=None, help="torch threads scoring (default: cores - 1; "
+                    "with --workers N, per worker: max(1, cores // N - 1))")
+    sv.add_argument("--workers", type=at_least(1), default=1, help="processes answering on the one port (SO_REUSEPORT, "
+                    "under a supervisor that restarts one that dies); each loads the model (its tables mapped: one "
+                    "copy in memory) and follows the export dir; /metrics sums them (default 1: one process)")
     sv.add_argument("--watch-interval", type=positive_float, default=1.0,
                     help="seconds between looks for new deltas/full exports (MODEL_DIR a training's --export-dir)")
     sv.add_argument("--max-rows", type=at_least(1), default=8192, help="rows of one request (more: 400)")

@@ -192,12 +192,18 @@ def _merge_delta(module: torch.nn.Module, manifest: dict, tensors: dict, path: s
     for frozen, new_keys, new_values in rows:
         keys, values = merged(frozen.sorted_keys, frozen.values, new_keys, new_values, float(frozen.missing_value))
         frozen.sorted_keys, frozen.values = keys, values  # the graph reads them by name, whatever their size
-    module.load_state_dict(dense, strict=False)
+    # new tensors, never written into the old ones: those are shared with the model serving now (_copy)
+    module.load_state_dict({k: v.to(known[k].dtype, copy=True) for k, v in dense.items()}, strict=False, assign=True)
 
 
 def _copy(served):
+    """A copy of `served` to update: its own module structure, the same tensors (an update replaces a
+    tensor, never writes into it: _merge_delta). A table no delta touched stays the one mapped from
+    the export (serving.mapped), shared with the model serving now and with the other processes."""
     updated = copy.copy(served)
-    updated.module = copy.deepcopy(served.module)
+    module = served.module
+    shared = {id(t): t for t in (*module.parameters(), *module.buffers())}  # deepcopy's memo: kept as they are
+    updated.module = copy.deepcopy(module, shared)
     return updated
 
 

@@ -96,10 +96,22 @@ def open_repository(path: str, name: str | None = None) -> tuple[dict[str, tuple
 
 
 class Metrics:
-    """The server's Prometheus metrics; serving a repository, each has a `model` label."""
+    """The server's Prometheus metrics; serving a repository, each has a `model` label. `exposed`: the
+    registry /metrics answers with: `registry`'s, or in a worker of `deeprec serve --workers N`
+    (serving.workers) every worker's, read from the supervisor's PROMETHEUS_MULTIPROC_DIR: counters
+    and histograms summed over the workers (dead ones' counts kept), the step and readiness gauges
+    the least of the live workers' (the step every worker serves; 1 if every worker is ready)."""
 
     def __init__(self, labelled: bool):
+        from deeprec.serving import workers
+
         self.registry, self.labelled = CollectorRegistry(), labelled
+        self.exposed = self.registry
+        if workers.current() is not None:
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            self.exposed = CollectorRegistry()
+            MultiProcessCollector(self.exposed)
         model = ["model"] if labelled else []
         r = self.registry
         self.requests = Counter("deeprec_requests", "predict requests by HTTP status", [*model, "code"], registry=r)
@@ -107,7 +119,8 @@ class Metrics:
                                  buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5))
         self.batch_rows = Histogram("deeprec_batch_rows", "rows per model call (dynamic batching)", model,
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096), registry=r)
-        self.step = Gauge("deeprec_model_step", "training step of the model served", model, registry=r)
+        self.step = Gauge("deeprec_model_step", "training step of the model served", model, registry=r,
+                          multiprocess_mode="livemin")
         self.updates = Counter("deeprec_model_updates", "online updates applied (deltas or full exports)", model,
                                registry=r)
         self.update_errors = Counter("deeprec_model_update_errors", "online updates that failed (the model "
@@ -119,7 +132,7 @@ class Metrics:
                                      "model (the watcher is alive: it grows every --watch-interval)", model,
                                      registry=r)
         self.ready = Gauge("deeprec_model_ready", "1 if the model served answers a probe prediction", model,
-                           registry=r)
+                           registry=r, multiprocess_mode="livemin")
 
     def of(self, metric, name: str):
         """`metric`'s series for the model `name`."""

@@ -286,7 +286,7 @@ def make_app(models, max_batch: int = 256, max_wait_ms: float = 0.0, folder=None
                        "UNAVAILABLE", "reason": s.not_ready or ""} for n, s in served.items()])
 
     async def prometheus(request: Request) -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(metrics.exposed), media_type=CONTENT_TYPE_LATEST)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -365,13 +365,19 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 8080, max_batch: int =
           max_wait_ms: float = 0.0, threads: int | None = None, watch_interval_s: float = 1.0, *,
           max_rows: int = MAX_ROWS, max_body_bytes: int = MAX_BODY_BYTES, token: str | None = None,
           grpc_port: int | None = None,
-          name: str | None = None) -> None:
+          name: str | None = None, workers: int = 1) -> None:
     """Serve the export, export dir or model repository at `path` until interrupted; prints
     `listening on http://host:port` when ready. `name`: a single export's name (default: its
     folder's). `threads`: torch intra-op threads of the scoring threads (default: cores - 1, leaving
-    one core to the event loop that parses requests)."""
+    one core to the event loop that parses requests). `workers` > 1: that many processes on the one
+    port, each running this function, under a supervisor (serving.workers; threads: per worker)."""
+    arguments = dict(locals())  # serve's own, by name: each worker gets them all
     from deeprec.security import is_loopback
+    from deeprec.serving.workers import current, supervise
 
+    if workers > 1:
+        return supervise(arguments, workers)
+    worker = current()  # a worker of `--workers N`: its socket shares the supervisor's port
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
     grpc = None if grpc_port is None else (host, grpc_port)  # the gRPC service too (grpc_service.py)
     if grpc is not None:  # a port in use stops the start now, before the models load
@@ -393,6 +399,8 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 8080, max_batch: int =
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it: no Nagle delay
+    if worker is not None:  # the kernel spreads the connections over the workers' sockets
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as err:  # in use, or an address this host does not have
@@ -402,4 +410,6 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 8080, max_batch: int =
     sock.listen(1024)  # connections wait in the backlog until uvicorn accepts
     print(f"listening on http://{host}:{sock.getsockname()[1]}", flush=True)
     print(f"{'models' if repository else 'model'}: {', '.join(models)}", flush=True)
+    if worker is not None:  # ready: the lines above go to the supervisor, printed once every worker is
+        worker.serving(app)
     uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
