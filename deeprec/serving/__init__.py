@@ -11,7 +11,6 @@ import os
 import warnings
 
 import torch
-from safetensors.torch import load_file
 
 from deeprec.atomic import sha256_file
 from deeprec.data.collate import collate
@@ -110,13 +109,19 @@ class ServedModel:
                       f"export: {why}", CompiledFallbackWarning, stacklevel=2)
 
     def load_tables(self, file: str) -> None:
-        """The weights from a safetensors file (the export's, or a newer one of the same shapes);
-        refused (ServingError) if any value is not finite."""
+        """The weights from a safetensors file (the export's, or a newer one of the same shapes), mapped
+        (serving.mapped: the module's tensors are views of a private mapping of the file, not copies,
+        so processes serving one export share its pages); refused (ServingError) if any value is not finite."""
         from deeprec.serving.frozen import tie_shared
+        from deeprec.serving.mapped import map_tensors
 
-        tensors = tie_shared(self.module, self.manifest.get("shared", {}), load_file(file))  # older exports: {}
+        try:
+            mapped = map_tensors(file)
+        except ValueError as err:
+            raise ServingError(str(err)) from None
+        tensors = tie_shared(self.module, self.manifest.get("shared", {}), mapped)  # older exports: {}
         check_finite(tensors, file)
-        result = self.module.load_state_dict(tensors, strict=False)
+        result = self.module.load_state_dict(tensors, strict=False, assign=True)  # the mapped tensors themselves
         if result.missing_keys:
             raise ServingError(f"{file}: lacks {', '.join(result.missing_keys[:5])}")
 
