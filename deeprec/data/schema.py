@@ -139,12 +139,7 @@ class Schema:
                 continue
             col = table.column(c.name)
             if c.kind in ("label", "dense", "weight"):
-                arr = np.asarray(col.to_numpy(), dtype=np.float32)
-                if c.kind == "label" and c.positive_at is not None:
-                    arr = (arr >= c.positive_at).astype(np.float32)
-                if c.kind == "weight":
-                    arr = np.where(np.isnan(arr), np.float32(1.0), arr)
-                batch[c.name] = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+                batch[c.name] = number_tensor(c, np.asarray(col.to_numpy(), dtype=np.float32))
             elif c.kind == "categorical" and c.dtype == "int":
                 arr = pc.fill_null(col, -1).to_numpy()
                 batch[c.name] = torch.from_numpy(np.array(arr, dtype=np.int64))
@@ -153,6 +148,16 @@ class Schema:
             else:
                 batch[c.name] = split_sequence(col, c)
         return batch
+
+
+def number_tensor(c: "Column", arr: np.ndarray) -> torch.Tensor:
+    """A label, dense or weight column's float32 values (NaN: missing) as the batch holds them: a label
+    thresholded at positive_at, a missing weight 1."""
+    if c.kind == "label" and c.positive_at is not None:
+        arr = (arr >= c.positive_at).astype(np.float32)
+    if c.kind == "weight":
+        arr = np.where(np.isnan(arr), np.float32(1.0), arr)
+    return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
 
 
 _NUMBER = r"^\s*[-+]?((\d+\.?\d*)|(\.\d+))([eE][-+]?\d+)?\s*$|^\s*[-+]?(nan|NaN|inf|Inf|infinity|Infinity)\s*$"
