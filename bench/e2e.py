@@ -104,12 +104,9 @@ def tf_rate(data: str, steps: int, jit: bool, model: str = "dlrm") -> float | No
 
 
 def _mimalloc() -> str | None:
-    """libmimalloc.so of the optional `cmeel-mimalloc` package (`pip install -e '.[bench]'`)."""
-    import glob
-    import sysconfig
+    from deeprec.serving.allocator import mimalloc_library  # the cmeel-mimalloc wheel, a dependency
 
-    found = glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "cmeel.prefix", "lib", "libmimalloc.so"))
-    return found[0] if found else None
+    return mimalloc_library()
 
 
 def allocators(data: str, steps: int, rounds: int) -> dict:
