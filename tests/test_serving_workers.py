@@ -1,5 +1,6 @@
-"""deeprec serve --workers N: worker processes on one port (SO_REUSEPORT) under a supervisor; the export's
-tables mapped, not copied (serving.mapped). Real processes on loopback; every wait is on a state."""
+"""deeprec serve --workers N: worker processes on one port (SO_REUSEPORT) under a supervisor, each serving
+gRPC on one gRPC port too; the export's tables mapped, not copied (serving.mapped). Real processes on
+loopback; every wait is on a state."""
 import os
 import queue
 import re
@@ -11,6 +12,7 @@ import sys
 import threading
 
 import httpx
+import numpy as np
 import pytest
 import torch
 
@@ -125,17 +127,22 @@ def exports(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(exports, tmp_path_factory):
-    """`deeprec serve LIVE --workers 2`, LIVE the export dir holding full-10 only (deltas copied in by a
-    test): (url, the printed worker pids, Server, LIVE)."""
+    """`deeprec serve LIVE --workers 2 --grpc-port 0`, LIVE the export dir holding full-10 only (deltas
+    copied in by a test): (url, the printed worker pids, Server, LIVE); Server.grpc: the printed gRPC
+    host:port."""
     source, _ = exports
     live = tmp_path_factory.mktemp("live")
     shutil.copytree(source / "full-000000010", live / "full-000000010")
-    running = Server([str(live), "--port", "0", "--workers", str(WORKERS), "--watch-interval", "0.2"],
-                     tmp_path_factory.mktemp("log") / "stderr.txt")
+    running = Server([str(live), "--port", "0", "--grpc-port", "0", "--workers", str(WORKERS),
+                      "--watch-interval", "0.2"], tmp_path_factory.mktemp("log") / "stderr.txt")
     try:
         line = running.line()
         assert line and line.startswith("listening on http://127.0.0.1:"), (line, running.stderr())
         assert running.line() == f"model: {live.name}\n"
+        grpc_line = running.line()  # once, by the supervisor: every worker's gRPC service answers
+        assert grpc_line and grpc_line.startswith("grpc listening on 127.0.0.1:"), (grpc_line, running.stderr())
+        running.grpc = grpc_line.split()[-1]
+        assert running.grpc != line.split()[-1].removeprefix("http://")  # --grpc-port 0: a port of its own
         workers = running.line()
         assert workers.startswith(f"workers: {WORKERS} (pids "), workers
         pids = {int(p) for p in workers.split("pids ")[1].rstrip(")\n").split(", ")}
@@ -172,8 +179,13 @@ def test_the_port_is_held_by_the_supervisor_and_one_in_use_is_refused():
         taken.listen()
         with pytest.raises(ConfigError, match=f"--port {taken.getsockname()[1]}: cannot listen there"):
             reserve("127.0.0.1", taken.getsockname()[1])
-    with pytest.raises(ConfigError, match="--grpc-port with --workers > 1"):
-        supervise({"host": "127.0.0.1", "port": 0, "threads": None, "grpc_port": 9000}, 2)
+        # --grpc-port too: refused in the supervisor, before any worker starts
+        with pytest.raises(ConfigError, match=f"--grpc-port {taken.getsockname()[1]}: cannot listen there"):
+            supervise({"host": "127.0.0.1", "port": 0, "threads": None, "grpc_port": taken.getsockname()[1]}, 2)
+    from deeprec.serving.server import serve
+
+    with pytest.raises(ConfigError, match="--grpc-port 9000 is --port's"):
+        serve("unread", port=9000, grpc_port=9000, workers=2)
 
 
 @pytest.mark.slow(reason="trains and exports a DLRM (the module's export dir)")
@@ -239,6 +251,66 @@ def test_metrics_are_summed_over_the_workers(server, exports):
         assert "deeprec_model_ready 1.0" in metrics
 
 
+@pytest.mark.slow(reason="the module's 2-worker server, its gRPC port")
+def test_every_worker_answers_grpc_on_the_one_grpc_port_counted_in_the_summed_metrics(server, exports):
+    """tritonclient.grpc through the supervisor's printed gRPC port: HTTP's scores, from each worker (the
+    trailing metadata x-deeprec-worker names it), each call counted in /metrics summed over the workers.
+    (tritonclient.grpc is imported here only: this module never loads deeprec's own gRPC messages.)"""
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    url, pids, running, live = server
+    _, schema = exports
+    rows = _json_rows(sample_path("criteo_sample.txt"), schema, 8)
+    http = _ask(url, "/v1/predict", json={"inputs": rows})
+    assert http.status_code == 200 and http.json()["step"] == 10
+    want = torch.tensor(http.json()["scores"], dtype=torch.float32)
+    assert torch.equal(want, dr.serving.load(str(live / "full-000000010"))(rows))
+    kinds = {spec["name"]: spec["datatype"] for spec in _ask(url, f"/v2/models/{live.name}").json()["inputs"]}
+    assert set(kinds.values()) == {"FP32", "BYTES"}  # dense values, string ids
+    arrays = [(name, kinds[name], np.array([np.nan if v is None else v for v in values], np.float32)
+               if kinds[name] == "FP32" else np.array([(v or "").encode() for v in values], dtype=object))
+              for name, values in rows.items()]
+
+    def answered() -> float:
+        lines = _ask(url, "/metrics").text.splitlines()
+        return sum(float(line.split()[-1]) for line in lines if line.startswith('deeprec_requests_total{code="200"}'))
+
+    before = answered()
+    client = grpcclient.InferenceServerClient(running.grpc)
+    inputs = [grpcclient.InferInput(n, [len(a)], k).set_data_from_numpy(a) for n, k, a in arrays]
+    result = client.infer(live.name, inputs)
+    client.close()
+    assert result.get_response().model_version == "10"
+    assert torch.equal(torch.from_numpy(result.as_numpy("scores").copy()), want)
+    request = service_pb2.ModelInferRequest(model_name=live.name, inputs=[
+        service_pb2.ModelInferRequest.InferInputTensor(name=n, datatype=k, shape=[len(a)]) for n, k, a in arrays],
+        raw_input_contents=[a.tobytes() if k == "FP32" else
+                            b"".join(len(v).to_bytes(4, "little") + v for v in a) for _, k, a in arrays])
+    seen: dict[int, np.ndarray] = {}
+    calls = [1]  # the tritonclient one above
+
+    def every_worker_answered():  # a channel of its own each: a fresh connection, the kernel picks the worker
+        with grpc.insecure_channel(running.grpc, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+            response, call = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer.with_call(request,
+                                                                                                  timeout=60)
+        calls[0] += 1
+        seen[int(dict(call.trailing_metadata())[HEADER.lower()])] = np.frombuffer(response.raw_output_contents[0],
+                                                                                  "<f4")
+        return pids <= set(seen)
+
+    wait_until(every_worker_answered, 60, "a gRPC answer of each worker", poll=0)
+    assert set(seen) == pids
+    for scores in seen.values():
+        assert torch.equal(torch.from_numpy(scores.copy()), want)
+    for pid in pids:  # whichever worker answers /metrics: both workers' gRPC calls counted
+        metrics = _each_worker(url, {pid}, lambda: _ask(url, "/metrics"), f"/metrics of worker {pid}")[pid].text
+        lines = [line for line in metrics.splitlines() if line.startswith('deeprec_requests_total{code="200"}')]
+        assert lines == [f'deeprec_requests_total{{code="200"}} {before + calls[0]:.1f}'], (lines, calls)
+    assert "grpc listening" not in running.stderr()  # the workers' own lines: the supervisor printed one
+
+
 @pytest.mark.slow(reason="the module's 2-worker server follows an export dir")
 def test_a_delta_reaches_every_worker(server, exports):
     url, pids, _, live = server
@@ -294,6 +366,7 @@ def test_sigterm_to_the_supervisor_stops_every_worker(server):
     assert os.path.isdir(metrics_dir)
     running.proc.send_signal(signal.SIGTERM)
     assert running.proc.wait(90) == -signal.SIGTERM  # as a single process ends on SIGTERM
+    assert running.line(60) is None  # nothing printed after `workers:`, a replaced worker's lines neither
     assert all(_gone(pid) for pid in workers)  # stopped and reaped by the supervisor before it ended
     assert not os.path.exists(metrics_dir)
 

@@ -75,6 +75,8 @@ def _answering(method):
     """A method whose Failure is its call's status."""
     @functools.wraps(method)
     async def call(self, request, context):
+        if self.metadata:
+            context.set_trailing_metadata(self.metadata)
         try:
             return method(self, request, context)
         except Failure as failure:
@@ -83,10 +85,11 @@ def _answering(method):
 
 
 class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
-    """The service over `served` ({name: Served}, the models HTTP serves, with their batchers)."""
+    """The service over `served` ({name: Served}, the models HTTP serves, with their batchers); `metadata`:
+    the trailing metadata of every answer (a worker of `deeprec serve --workers N` names itself)."""
 
-    def __init__(self, served: dict[str, Served], token: str | None, max_rows: int | None):
-        self.served, self.max_rows = served, max_rows
+    def __init__(self, served: dict[str, Served], token: str | None, max_rows: int | None, metadata: tuple = ()):
+        self.served, self.max_rows, self.metadata = served, max_rows, tuple(metadata)
         self.expected = f"Bearer {token}".encode() if token else None
         self.metrics = next(iter(served.values())).metrics
 
@@ -166,6 +169,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         """As HTTP's /v2 infer: the token, the model, the inputs checked and decoded, the batcher; the status
         counted in /metrics and the latency observed for the model named."""
         started, found, failure, response = time.perf_counter(), None, None, None
+        if self.metadata:
+            context.set_trailing_metadata(self.metadata)
         try:
             self.authorize(context)
             found = self.find(request.model_name, request.model_version)
@@ -269,13 +274,14 @@ def check_address(host: str, port: int) -> None:
 
 async def start_grpc(served: dict[str, Served], host: str, port: int, *, token: str | None = None,
                      max_rows: int | None = None, max_body_bytes: int = 8 << 20,
-                     reuse_port: bool = False) -> tuple[grpc.aio.Server, str]:
+                     reuse_port: bool = False, metadata: tuple = ()) -> tuple[grpc.aio.Server, str]:
     """Serve `served` over gRPC on host:port (0: any free port), on the running event loop; returns the
     started server (stop it with `await server.stop(GRACE_S)`) and the address it listens on. `reuse_port`:
-    SO_REUSEPORT, for processes that share the port (off: a port in use is a ConfigError)."""
+    SO_REUSEPORT, for processes that share the port (the workers of `deeprec serve --workers N`; off: a
+    port in use is a ConfigError). `metadata`: ((key, value), ...) sent as every answer's trailing metadata."""
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_body_bytes),
                                       ("grpc.so_reuseport", int(reuse_port))])
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(served, token, max_rows), server)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(served, token, max_rows, metadata), server)
     try:
         bound = server.add_insecure_port(_address(host, port))
     except RuntimeError as err:  # "Failed to bind to address"

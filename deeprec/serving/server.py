@@ -11,6 +11,7 @@
     --grpc-port PORT                    also the Open Inference Protocol's gRPC service (KServe v2, Triton's
                                         inference.GRPCInferenceService) on this event loop, through the same
                                         batchers (grpc_service.py); prints `grpc listening on HOST:PORT`
+                                        (with --workers N: every worker on that port, SO_REUSEPORT)
 
     request ──token? (401)──body <= max_body_bytes? (413)──decode, check the columns' shape (400)──>
         the model's queue ──batcher: what queued while the last batch scored, up to max_batch rows──>
@@ -105,14 +106,15 @@ def _json(value, status: int = 200, headers: dict | None = None) -> Response:
 
 def make_app(models, max_batch: int = 256, max_wait_ms: float = 0.0, folder=None, watch_interval_s: float = 1.0,
              *, max_rows: int = MAX_ROWS, max_body_bytes: int = MAX_BODY_BYTES, token: str | None = None,
-             grpc_address: tuple[str, int] | None = None,
+             grpc_address: tuple[str, int] | None = None, grpc_options: dict | None = None,
              name: str | None = None) -> Starlette:
     """`models`: a ServedModel, served as `name` (default: its export's folder name, or the followed
     export dir's: repository.model_name), or {name: ServedModel} (a repository: metrics labelled by
     model). `folder`: the ExportFolder a model follows ({name: folder} for several); new deltas and
     full exports in it are applied while serving. `token`: the scoring and model routes
     require `Authorization: Bearer <token>` (health, /v2 and /metrics stay open). `grpc_address`: (host,
-    port) to serve gRPC on too (grpc_service.py), started and stopped with the app (its lifespan)."""
+    port) to serve gRPC on too (grpc_service.py), started and stopped with the app (its lifespan);
+    `grpc_options`: more keywords of start_grpc (a worker's: reuse_port, metadata)."""
     labelled = isinstance(models, dict)
     if not labelled:
         name = model_name(folder.directory if folder is not None else models.path, name)
@@ -301,8 +303,8 @@ def make_app(models, max_batch: int = 256, max_wait_ms: float = 0.0, folder=None
             from deeprec.serving.grpc_service import start_grpc
 
             grpc_server, address = await start_grpc(served, *grpc_address, token=token, max_rows=max_rows,
-                                                    max_body_bytes=max_body_bytes)
-            print(f"grpc listening on {address}", flush=True)
+                                                    max_body_bytes=max_body_bytes, **(grpc_options or {}))
+            print(f"grpc listening on {address}", flush=True)  # a worker's: to the supervisor, which prints it once
         yield
         if grpc_server is not None:  # before the batchers stop: the calls in flight are answered
             from deeprec.serving.grpc_service import GRACE_S
@@ -375,25 +377,31 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 8080, max_batch: int =
     from deeprec.security import is_loopback
     from deeprec.serving.workers import current, supervise
 
+    if grpc_port is not None and grpc_port == port != 0:
+        raise ConfigError(f"--grpc-port {grpc_port} is --port's: give gRPC a port of its own (0: any free one)")
     if workers > 1:
         return supervise(arguments, workers)
-    worker = current()  # a worker of `--workers N`: its socket shares the supervisor's port
+    worker = current()  # a worker of `--workers N`: its sockets share the supervisor's ports
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
     grpc = None if grpc_port is None else (host, grpc_port)  # the gRPC service too (grpc_service.py)
-    if grpc is not None:  # a port in use stops the start now, before the models load
+    if grpc is not None and worker is None:  # a port in use stops the start now, before the models load (a
+        # worker's is held by the supervisor, which checked it: this bind, without SO_REUSEPORT, would clash
+        # with the other workers' listeners)
         from deeprec.serving.grpc_service import check_address
 
         check_address(*grpc)
+    grpc_options = worker.grpc_options() if worker is not None and grpc is not None else None
     opened, repository = open_repository(path, name)
     models = {name: model for name, (model, _) in opened.items()}
     folders = {name: folder for name, (_, folder) in opened.items()}
     if repository:
         app = make_app(models, max_batch, max_wait_ms, folders, watch_interval_s, max_rows=max_rows,
-                       max_body_bytes=max_body_bytes, token=token, grpc_address=grpc)
+                       max_body_bytes=max_body_bytes, token=token, grpc_address=grpc, grpc_options=grpc_options)
     else:
         (name, model), = models.items()
         app = make_app(model, max_batch, max_wait_ms, folders[name], watch_interval_s, max_rows=max_rows,
-                       max_body_bytes=max_body_bytes, token=token, name=name, grpc_address=grpc)
+                       max_body_bytes=max_body_bytes, token=token, name=name, grpc_address=grpc,
+                       grpc_options=grpc_options)
     if token is None and not is_loopback(f"{host}:{port}"):
         log.warning("serving on %s without a token: anyone who reaches it may predict (--token-file)", host)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -410,6 +418,6 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 8080, max_batch: int =
     sock.listen(1024)  # connections wait in the backlog until uvicorn accepts
     print(f"listening on http://{host}:{sock.getsockname()[1]}", flush=True)
     print(f"{'models' if repository else 'model'}: {', '.join(models)}", flush=True)
-    if worker is not None:  # ready: the lines above go to the supervisor, printed once every worker is
-        worker.serving(app)
+    if worker is not None:  # ready once the app's startup ran: the lines printed go to the supervisor, which
+        worker.serving(app)  # prints them once every worker is
     uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])

@@ -1,14 +1,20 @@
 """`deeprec serve --workers N`: N worker processes answering on one port, under a supervisor (as gunicorn).
 
     the supervisor (the command's process: it loads no model and scores nothing)
-      ├─ binds HOST:PORT with SO_REUSEPORT and never listens: --port 0 resolved, the port held
+      ├─ binds HOST:PORT with SO_REUSEPORT and never listens: --port 0 resolved, the port held; the same
+      │  for HOST:GRPC_PORT (--grpc-port, 0 resolved)
       ├─ PROMETHEUS_MULTIPROC_DIR: a temporary folder of its own, removed at exit
       └─ starts N workers (multiprocessing's spawn: fresh interpreters, never a fork of a process that
          has torch threads or an event loop); each runs server.serve as one process does, except:
            its socket bound to HOST:PORT with SO_REUSEPORT too: the kernel spreads connections over them
-           /metrics: every worker's (repository.Metrics), each answer an X-Deeprec-Worker: <its pid>
-           ──its pipe──> ("ready", pid, what serve printed) | ("failed", kind, its error)
-      prints what a worker printed (`listening on http://HOST:PORT`, the models) once all are ready; then:
+           its gRPC service (--grpc-port) bound to HOST:GRPC_PORT with SO_REUSEPORT (grpc.so_reuseport), the
+             port not checked first (server.serve's check_address: the supervisor's reserve is the check)
+           /metrics: every worker's (repository.Metrics), each answer an X-Deeprec-Worker: <its pid> (over
+             gRPC: the trailing metadata x-deeprec-worker)
+           ──its pipe──> ("ready", pid, what serve printed) once the app's startup ran (its batchers started,
+             its gRPC service answering) | ("failed", kind, its error)
+      prints what a worker printed (`listening on http://HOST:PORT`, the models, `grpc listening on
+      HOST:GRPC_PORT`) once, when all are ready; then:
         a worker that exits ──> logged, its live gauges dropped (mark_process_dead), another started
         a worker that fails at start (the first ones or a replacement) ──> the others stopped, the
              command fails with that worker's error (never a loop of restarts)
@@ -23,13 +29,10 @@ one copy of the tables in the page cache.
 Thread budget: a worker runs an event loop (parsing, batching) and its scoring threads (--threads,
 torch's intra-op threads). Default per worker: max(1, cores // N - 1), so N × (1 + threads) fits the
 cores when N <= cores / 2; a warning says when N × (1 + threads) exceeds them.
-
-Another port a worker listens on (a gRPC service beside HTTP) is to be held and resolved the same way:
-`reserve` it in `supervise` and pass the port found to the workers, each binding it with SO_REUSEPORT
-(`current()` tells serve it runs in a worker). Until then `--grpc-port` with `--workers` > 1 is refused.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import multiprocessing
@@ -56,10 +59,34 @@ class Worker:
         self.printed = io.StringIO()  # serve's stdout until it is ready: the supervisor prints it once
 
     def serving(self, app) -> None:
-        """Called by serve once its socket listens, before uvicorn runs `app` (a Starlette app): its
-        answers say which worker gave them; the supervisor is told this one is ready, with what serve
-        printed; what it prints later goes to stderr (the supervisor's stdout stays its own)."""
+        """Called by serve before uvicorn runs `app` (a Starlette app): its answers say which worker gave
+        them; once the app's startup has run (its batchers started, its gRPC service answering; uvicorn then
+        accepts the connections queued on the listening socket), the supervisor is told this one is ready,
+        with what serve and the startup printed; what it prints later goes to stderr (the supervisor's
+        stdout stays its own). A startup that fails is reported as a failed serve is (_main)."""
         app.add_middleware(_WorkerHeader, value=str(os.getpid()))
+        startup = app.router.lifespan_context
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app):
+            started = False
+            try:
+                async with startup(app) as state:
+                    started = True
+                    self._ready()
+                    yield state
+            except Exception as err:  # uvicorn logs it and exits (3); the supervisor gets its words
+                if not started:
+                    _report(self.conn, err)
+                raise
+
+        app.router.lifespan_context = lifespan
+
+    def grpc_options(self) -> dict:
+        """start_grpc's keywords in a worker: the port shared (SO_REUSEPORT), answers naming this worker."""
+        return {"reuse_port": True, "metadata": ((HEADER.lower(), str(os.getpid())),)}
+
+    def _ready(self) -> None:
         sys.stdout.flush()
         text, sys.stdout = self.printed.getvalue(), sys.stderr
         self.conn.send(("ready", os.getpid(), text))
@@ -100,9 +127,23 @@ class _WorkerHeader:
         await self.app(scope, receive, sending)
 
 
+def _report(conn, err: Exception) -> str:
+    """A worker's failure at start sent to the supervisor as ("failed", kind, message), kind "usage" (a
+    ConfigError or a missing file: exit 2), "failed" (a DeepRecError) or "bug"; returns the kind."""
+    from deeprec.errors import ConfigError, DeepRecError
+
+    kind = ("usage" if isinstance(err, (ConfigError, FileNotFoundError)) else
+            "failed" if isinstance(err, DeepRecError) else "bug")
+    try:
+        conn.send(("failed", kind, str(err) if kind != "bug" else f"{type(err).__name__}: {err}"))
+    except OSError:
+        pass
+    return kind
+
+
 def _main(arguments: dict, index: int, conn) -> None:
-    """A worker (multiprocessing's target): serve(**arguments) with its socket shared; its startup's
-    failure sent to the supervisor as (kind, message), kind "usage" (exit 2), "failed" or "bug"."""
+    """A worker (multiprocessing's target): serve(**arguments) with its sockets shared; its startup's
+    failure sent to the supervisor (_report)."""
     global _current
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the supervisor, which stops us (uvicorn
     # takes SIGINT again once it serves)
@@ -115,15 +156,9 @@ def _main(arguments: dict, index: int, conn) -> None:
     try:
         serve(**arguments)
     except Exception as err:  # noqa: BLE001  (reported, then this process ends)
-        kind = ("usage" if isinstance(err, (ConfigError, FileNotFoundError)) else
-                "failed" if isinstance(err, DeepRecError) else "bug")
-        if kind == "bug":
+        if not isinstance(err, (ConfigError, FileNotFoundError, DeepRecError)):
             traceback.print_exc()
-        try:
-            conn.send(("failed", kind, str(err) if kind != "bug" else f"{type(err).__name__}: {err}"))
-        except OSError:
-            pass
-        sys.exit(2 if kind == "usage" else 1)
+        sys.exit(2 if _report(conn, err) == "usage" else 1)
 
 
 def cores() -> int:
@@ -146,9 +181,9 @@ def thread_budget(workers: int, threads: int | None, ncores: int) -> tuple[int, 
                  (f", or --threads {max(1, ncores // workers - 1)}" if threads and ncores // workers >= 2 else ""))
 
 
-def reserve(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port with SO_REUSEPORT, not listening: the port (--port 0: a free one)
-    held for the workers, which bind it too. A ConfigError if it cannot be bound."""
+def reserve(host: str, port: int, option: str = "--port") -> socket.socket:
+    """A socket bound to host:port with SO_REUSEPORT, not listening: the port (0: a free one) held for
+    the workers, which bind it too. A ConfigError naming `option` if it cannot be bound."""
     from deeprec.errors import ConfigError
 
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -158,8 +193,8 @@ def reserve(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as err:
         sock.close()
-        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({err.strerror}); give another "
-                          "--port (0: any free one)") from None
+        raise ConfigError(f"--host {host} {option} {port}: cannot listen there ({err.strerror}); give another "
+                          f"{option} (0: any free one)") from None
     return sock
 
 
@@ -303,19 +338,18 @@ class Supervisor:
 
 def supervise(arguments: dict, count: int) -> None:
     """`deeprec serve --workers count`: `arguments` are serve's (its keywords, by name)."""
-    from deeprec.errors import ConfigError
-
-    if arguments.get("grpc_port") is not None:  # the hook: reserve() it here too, pass the port found on
-        raise ConfigError("--grpc-port with --workers > 1 is not served yet: each worker would start its own "
-                          "gRPC service (give one or the other)")
     host, port = arguments["host"], arguments["port"]
-    held = reserve(host, port)
+    held = [reserve(host, port)]
     signalled = None
     try:
+        arguments = {**arguments, "port": held[0].getsockname()[1]}
+        if arguments.get("grpc_port") is not None:  # every worker's gRPC service on this one port too
+            held.append(reserve(host, arguments["grpc_port"], "--grpc-port"))
+            arguments["grpc_port"] = held[1].getsockname()[1]
         threads, warning = thread_budget(count, arguments.get("threads"), cores())
         if warning:
             log.warning(warning)
-        arguments = {**arguments, "port": held.getsockname()[1], "threads": threads, "workers": 1}
+        arguments = {**arguments, "threads": threads, "workers": 1}
         metrics_dir = tempfile.mkdtemp(prefix="deeprec-serve-metrics-")
         before = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # the workers' (spawned: they inherit it)
@@ -328,7 +362,8 @@ def supervise(arguments: dict, count: int) -> None:
             else:
                 os.environ["PROMETHEUS_MULTIPROC_DIR"] = before
     finally:
-        held.close()
+        for sock in held:
+            sock.close()
     if signalled is not None:  # ends by that signal, as a single process does (exit 143, 130)
         signal.signal(signalled, signal.SIG_DFL)
         signal.raise_signal(signalled)
