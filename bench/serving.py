@@ -6,6 +6,7 @@ the time to apply an online delta.
     python bench/serving.py                 # the one command (about 3-4 minutes on 2 cores)
     python bench/serving.py --requests 200  # fewer requests per measurement
     python bench/serving.py --peer-only     # in process and the ONNX Runtime peer only (no HTTP; about a minute)
+    python bench/serving.py --grpc-only     # gRPC and HTTP v2 beside it, compiled only (serving_grpc.json)
 
 A DLRM with EmbeddingVariables, trained briefly on the bundled Criteo sample, is exported with its
 compiled package, and a copy without it is made (the loader then scores with the traced program).
@@ -15,6 +16,9 @@ with the server: bodies pre-encoded with orjson, a minimal HTTP/1.1 keep-alive c
 socket (1 client) or on asyncio streams (8 clients), no HTTP library on the request path (http.client
 is measured once beside it, for its own overhead). Requests carry real rows of the sample.
 ONNX Runtime on the same model is the peer row, in process (bench/serving_peer.py).
+The compiled variant's server also serves gRPC (`--grpc-port 0`: KServe v2 / Triton ModelInfer), measured
+beside HTTP with a client as lean (pre-serialized requests on grpc's raw-bytes API: bench/serving_grpc.py),
+its scores checked to equal HTTP v2's first.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ import warnings
 import numpy as np
 import orjson
 
+import serving_grpc
 import serving_peer
 from _common import cpu_line, print_table, save_figure, save_json
 
@@ -46,7 +51,10 @@ HTTP_ROWS = (1, 64)
 IN_PROCESS_ROWS = (1, 64, 256)
 SERVER_THREADS = 1  # deeprec serve's default on 2 cores (cores - 1): one core left to the event loop
 TARGETS = {"in_process_1_row_ms": 0.5, "http_1_row_p50_ms": 2.0, "http_1_row_p99_ms": 4.0,
-           "clients_8_1_row_rows_per_s": 3000.0, "clients_8_64_rows_rows_per_s": 40000.0}
+           "clients_8_1_row_rows_per_s": 3000.0, "clients_8_64_rows_rows_per_s": 40000.0,
+           "grpc_1_row_p50_ms": 1.0, "grpc_1_row_p99_ms": 3.0, "grpc_clients_8_1_row_rows_per_s": 5000.0,
+           "grpc_clients_8_64_rows_rows_per_s": 40000.0}
+V2 = ("v2-json", "v2-binary")  # --grpc-only's HTTP protocols, beside gRPC
 
 
 # -- the model ------------------------------------------------------------------------------------
@@ -129,17 +137,12 @@ def timed(fn, n: int, warmup: int = 10, budget_s: float = math.inf) -> list[floa
 
 # -- request bodies -------------------------------------------------------------------------------
 
-def bodies(served, rows: dict, n: int, start: int = 0) -> dict:
-    """{protocol: (path, body, extra headers)} for n rows, encoded once."""
+def raw_tensors(served, columns: dict) -> list[tuple[str, str, int, bytes]]:
+    """(name, datatype, rows, raw little-endian values) per column: the v2 binary body's tensors, and
+    gRPC's raw_input_contents."""
     from deeprec.serving import protocols as p
-    from deeprec.serving.repository import model_name
 
-    name = model_name(served.path)  # what deeprec serve names it: the export's folder
-    columns = rows_of(rows, n, start)
-    types = {c.name: p.datatype(c) for c in p.model_inputs(served)}
-    infer = f"/v2/models/{name}/infer"
-    v2_json = {"inputs": [{"name": k, "datatype": types[k], "shape": [n], "data": v} for k, v in columns.items()]}
-    header, blobs = [], []
+    types, out = {c.name: p.datatype(c) for c in p.model_inputs(served)}, []
     for k, v in columns.items():
         if types[k] == "FP32":
             blob = np.array([math.nan if x is None else x for x in v], "<f4").tobytes()
@@ -148,8 +151,23 @@ def bodies(served, rows: dict, n: int, start: int = 0) -> dict:
         else:
             blob = b"".join(len(b).to_bytes(4, "little") + b for b in (("" if x is None else str(x)).encode()
                                                                          for x in v))
-        header.append({"name": k, "datatype": types[k], "shape": [n], "parameters": {"binary_data_size": len(blob)}})
-        blobs.append(blob)
+        out.append((k, types[k], len(v), blob))
+    return out
+
+
+def bodies(served, rows: dict, n: int, start: int = 0) -> dict:
+    """{protocol: (path, body, extra headers)} for n rows, encoded once."""
+    from deeprec.serving.repository import model_name
+
+    name = model_name(served.path)  # what deeprec serve names it: the export's folder
+    columns = rows_of(rows, n, start)
+    tensors = raw_tensors(served, columns)
+    infer = f"/v2/models/{name}/infer"
+    v2_json = {"inputs": [{"name": k, "datatype": kind, "shape": [n], "data": columns[k]}
+                          for k, kind, _, _ in tensors]}
+    header = [{"name": k, "datatype": kind, "shape": [n], "parameters": {"binary_data_size": len(blob)}}
+              for k, kind, _, blob in tensors]
+    blobs = [blob for *_, blob in tensors]
     head = orjson.dumps({"inputs": header, "parameters": {"binary_data_output": True}})
     return {"v1": ("/v1/predict", orjson.dumps({"inputs": columns}), {}),
             "v2-json": (infer, orjson.dumps(v2_json), {}),
@@ -295,12 +313,14 @@ async def _many_clients(port: int, requests: list[bytes], total: int, what: str)
 
 class Server:
     """`deeprec serve PATH --port 0 --threads 1` in a subprocess (or under cProfile, `profile` the
-    file prefix its event-loop thread's profiles are written to, one per SIGUSR1)."""
+    file prefix its event-loop thread's profiles are written to, one per SIGUSR1); `grpc`: with
+    `--grpc-port 0` too (its address, HOST:PORT, in .grpc)."""
 
     def __init__(self, path: str, log: str, profile: str | None = None, source: str | None = None,
-                 name: str | None = None):
+                 name: str | None = None, grpc: bool = False):
         # every variant under one name (`bodies`' URLs): the traced copy's folder would name it otherwise
         args = ["serve", path, "--port", "0", "--threads", str(SERVER_THREADS)] + (["--model-name", name] if name else [])
+        args += ["--grpc-port", "0"] if grpc else []
         # another checkout's deeprec: `python -m` puts the working directory first on sys.path
         env = None if source is None else {**os.environ, "PYTHONPATH": source}
         if profile is None:
@@ -310,11 +330,14 @@ class Server:
         self.log = open(log, "w")
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
                                         cwd=source)
-        deadline = time.monotonic() + 300
-        while True:
+        deadline, self.port, self.grpc = time.monotonic() + 300, None, None
+        while True:  # `listening on http://HOST:PORT`, then (the app started) `grpc listening on HOST:PORT`
             line = self.process.stdout.readline()
             if line.startswith("listening on http://"):
                 self.port = int(line.strip().rsplit(":", 1)[1])
+            elif line.startswith("grpc listening on "):
+                self.grpc = line.split()[-1]
+            if self.port is not None and (self.grpc is not None or not grpc):
                 break
             if not line or time.monotonic() > deadline:
                 self.stop()
@@ -375,13 +398,14 @@ finally:
 """
 
 
-def measure_http(server: Server, served, rows: dict, requests: int, clients: int) -> dict:
+def measure_http(server: Server, served, rows: dict, requests: int, clients: int,
+                 protocols: tuple = PROTOCOLS) -> dict:
     out = {"floor_get_live": one_client(server.port, http_request("/v2/health/live", None, {}), requests,
                                         "/v2/health/live")}
     for n in HTTP_ROWS:
         single = bodies(served, rows, n)
         several = [bodies(served, rows, n, start=17 * i) for i in range(clients)]
-        for protocol in PROTOCOLS:
+        for protocol in protocols:
             what = f"{protocol}, {n} rows"
             request = http_request(*single[protocol])
             before = server.metrics()
@@ -411,6 +435,26 @@ def measure_http(server: Server, served, rows: dict, requests: int, clients: int
 def _mean_delta(before: dict, after: dict, name: str) -> float:
     count = after.get(f"{name}_count", 0) - before.get(f"{name}_count", 0)
     return (after.get(f"{name}_sum", 0) - before.get(f"{name}_sum", 0)) / count if count else 0.0
+
+
+def measure_grpc(server: Server, served, rows: dict, requests: int, clients: int) -> dict:
+    """gRPC ModelInfer on `server` (started with gRPC), as measure_http per protocol, the same rows (the
+    v2 binary body's tensors as raw_input_contents); first, its scores checked to equal HTTP v2's (JSON and
+    binary) for the same rows, exactly, at each row count (bench/serving_grpc.py)."""
+    from deeprec.serving.repository import model_name
+
+    name = model_name(served.path)
+    reqs = {n: [serving_grpc.request_bytes(name, raw_tensors(served, rows_of(rows, n, 17 * i)))
+                for i in range(clients)] for n in HTTP_ROWS}
+    checks = []
+    for n in HTTP_ROWS:
+        http = {p: checked(*server.conn.call(http_request(*b)), p) for p, b in bodies(served, rows, n).items()
+                if p in V2}
+        checks.append(serving_grpc.check_equal(server.grpc, reqs[n][0], http, n))
+    print(f"  gRPC scores equal HTTP v2's (JSON and binary answers), bit for bit, at {', '.join(map(str, HTTP_ROWS))} "
+          "rows", flush=True)
+    return {"address": server.grpc, "client": serving_grpc.CLIENT, "scores_equal_http_v2": checks,
+            **serving_grpc.measure(server, reqs, latency_stats, requests, clients)}
 
 
 # -- in process -----------------------------------------------------------------------------------
@@ -672,23 +716,45 @@ def verdicts(results: dict, clients: int) -> list[dict]:
         ip = results["in_process"][variant][f"threads_{SERVER_THREADS}"]["1"]["columns"]["p50_ms"]
         out.append({"variant": variant, "target": "in process, 1 row: served(columns) p50 <= 0.5 ms",
                     "value": ip, "met": ip <= TARGETS["in_process_1_row_ms"]})
-        for protocol in PROTOCOLS:
-            one = results["http"][variant][protocol]["1"]["1_client"]
-            out.append({"variant": variant, "target": f"HTTP {protocol}, 1 row: p50 <= 2 ms, p99 <= 4 ms",
-                        "value": [one["p50_ms"], one["p99_ms"]],
-                        "met": one["p50_ms"] <= TARGETS["http_1_row_p50_ms"] and
-                        one["p99_ms"] <= TARGETS["http_1_row_p99_ms"]})
-            for n, key in ((1, "clients_8_1_row_rows_per_s"), (64, "clients_8_64_rows_rows_per_s")):
-                rate = results["http"][variant][protocol][str(n)][f"{clients}_clients"]["rows_per_s"]
-                out.append({"variant": variant, "target": f"HTTP {protocol}, {clients} clients x {n} row(s): "
-                            f">= {TARGETS[key]:,.0f} rows/s", "value": rate, "met": rate >= TARGETS[key]})
+        out += http_verdicts(results, variant, clients, PROTOCOLS)
     return out
 
 
-def table(results: dict, clients: int) -> list[list]:
-    def mark(ok: bool) -> str:
-        return "met" if ok else "MISSED"
+def http_verdicts(results: dict, variant: str, clients: int, protocols: tuple) -> list[dict]:
+    """The HTTP targets against a variant's numbers over `protocols`."""
+    out = []
+    for protocol in protocols:
+        one = results["http"][variant][protocol]["1"]["1_client"]
+        out.append({"variant": variant, "target": f"HTTP {protocol}, 1 row: p50 <= 2 ms, p99 <= 4 ms",
+                    "value": [one["p50_ms"], one["p99_ms"]],
+                    "met": one["p50_ms"] <= TARGETS["http_1_row_p50_ms"] and
+                    one["p99_ms"] <= TARGETS["http_1_row_p99_ms"]})
+        for n, key in ((1, "clients_8_1_row_rows_per_s"), (64, "clients_8_64_rows_rows_per_s")):
+            rate = results["http"][variant][protocol][str(n)][f"{clients}_clients"]["rows_per_s"]
+            out.append({"variant": variant, "target": f"HTTP {protocol}, {clients} clients x {n} row(s): "
+                        f">= {TARGETS[key]:,.0f} rows/s", "value": rate, "met": rate >= TARGETS[key]})
+    return out
 
+
+def grpc_verdicts(results: dict, clients: int) -> list[dict]:
+    """The gRPC targets against the compiled variant's gRPC numbers."""
+    grpc = results["grpc"]
+    one = grpc["1"]["1_client"]
+    out = [{"variant": "compiled", "target": f"gRPC, 1 row: p50 <= {TARGETS['grpc_1_row_p50_ms']:g} ms, "
+            f"p99 <= {TARGETS['grpc_1_row_p99_ms']:g} ms", "value": [one["p50_ms"], one["p99_ms"]],
+            "met": one["p50_ms"] <= TARGETS["grpc_1_row_p50_ms"] and one["p99_ms"] <= TARGETS["grpc_1_row_p99_ms"]}]
+    for n in HTTP_ROWS:
+        key, rate = _grpc_rate_target(n), grpc[str(n)][f"{clients}_clients"]["rows_per_s"]
+        out.append({"variant": "compiled", "target": f"gRPC, {clients} clients x {n} row(s): >= {TARGETS[key]:,.0f} "
+                    "rows/s", "value": rate, "met": rate >= TARGETS[key]})
+    return out
+
+
+def _grpc_rate_target(n: int) -> str:
+    return "grpc_clients_8_1_row_rows_per_s" if n == 1 else "grpc_clients_8_64_rows_rows_per_s"
+
+
+def table(results: dict, clients: int) -> list[list]:
     rows = []
     for variant in VARIANTS:
         ip = results["in_process"][variant][f"threads_{SERVER_THREADS}"]
@@ -697,28 +763,57 @@ def table(results: dict, clients: int) -> list[list]:
                 e = ip[str(n)][kind]
                 target, met = "", ""
                 if n == 1 and kind == "columns":
-                    target, met = "p50 <= 0.5", mark(e["p50_ms"] <= TARGETS["in_process_1_row_ms"])
+                    target, met = "p50 <= 0.5", _mark(e["p50_ms"] <= TARGETS["in_process_1_row_ms"])
                 rows.append([variant, label, n, 1, f"{e['p50_ms']:.3f}", f"{e['p99_ms']:.3f}",
                              f"{n / e['p50_ms'] * 1e3:,.0f}", target, met])
-        if "http" not in results:  # --peer-only
-            continue
-        http = results["http"][variant]
-        f = http["floor_get_live"]
-        rows.append([variant, "HTTP GET /v2/health/live", 0, 1, f"{f['p50_ms']:.3f}", f"{f['p99_ms']:.3f}", "", "", ""])
-        for protocol in PROTOCOLS:
-            for n in HTTP_ROWS:
-                one, many = http[protocol][str(n)]["1_client"], http[protocol][str(n)][f"{clients}_clients"]
-                target, met = "", ""
-                if n == 1:
-                    target = "p50 <= 2, p99 <= 4"
-                    met = mark(one["p50_ms"] <= TARGETS["http_1_row_p50_ms"] and
-                               one["p99_ms"] <= TARGETS["http_1_row_p99_ms"])
-                rows.append([variant, f"HTTP {protocol}", n, 1, f"{one['p50_ms']:.2f}", f"{one['p99_ms']:.2f}",
-                             f"{n / one['p50_ms'] * 1e3:,.0f}", target, met])
-                key = "clients_8_1_row_rows_per_s" if n == 1 else "clients_8_64_rows_rows_per_s"
-                rows.append([variant, f"HTTP {protocol}", n, clients, f"{many['p50_ms']:.2f}", f"{many['p99_ms']:.2f}",
-                             f"{many['rows_per_s']:,.0f}", f">= {TARGETS[key]:,.0f} rows/s",
-                             mark(many["rows_per_s"] >= TARGETS[key])])
+        if "http" in results:  # not with --peer-only
+            rows += http_table(results, variant, clients)
+    if "grpc" in results:
+        rows += grpc_table(results, clients)
+    return rows
+
+
+def _mark(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def http_table(results: dict, variant: str, clients: int) -> list[list]:
+    """The table's rows of a variant's HTTP measurements (the protocols measured)."""
+    rows, http = [], results["http"][variant]
+    f = http["floor_get_live"]
+    rows.append([variant, "HTTP GET /v2/health/live", 0, 1, f"{f['p50_ms']:.3f}", f"{f['p99_ms']:.3f}", "", "", ""])
+    for protocol in [p for p in PROTOCOLS if p in http]:
+        for n in HTTP_ROWS:
+            one, many = http[protocol][str(n)]["1_client"], http[protocol][str(n)][f"{clients}_clients"]
+            target, met = "", ""
+            if n == 1:
+                target = "p50 <= 2, p99 <= 4"
+                met = _mark(one["p50_ms"] <= TARGETS["http_1_row_p50_ms"] and
+                            one["p99_ms"] <= TARGETS["http_1_row_p99_ms"])
+            rows.append([variant, f"HTTP {protocol}", n, 1, f"{one['p50_ms']:.2f}", f"{one['p99_ms']:.2f}",
+                         f"{n / one['p50_ms'] * 1e3:,.0f}", target, met])
+            key = "clients_8_1_row_rows_per_s" if n == 1 else "clients_8_64_rows_rows_per_s"
+            rows.append([variant, f"HTTP {protocol}", n, clients, f"{many['p50_ms']:.2f}", f"{many['p99_ms']:.2f}",
+                         f"{many['rows_per_s']:,.0f}", f">= {TARGETS[key]:,.0f} rows/s",
+                         _mark(many["rows_per_s"] >= TARGETS[key])])
+    return rows
+
+
+def grpc_table(results: dict, clients: int) -> list[list]:
+    """The table's rows of the gRPC measurements (compiled)."""
+    rows, grpc = [], results["grpc"]
+    for n in HTTP_ROWS:
+        one, many = grpc[str(n)]["1_client"], grpc[str(n)][f"{clients}_clients"]
+        target, met = "", ""
+        if n == 1:
+            target = f"p50 <= {TARGETS['grpc_1_row_p50_ms']:g}, p99 <= {TARGETS['grpc_1_row_p99_ms']:g}"
+            met = _mark(one["p50_ms"] <= TARGETS["grpc_1_row_p50_ms"] and one["p99_ms"] <= TARGETS["grpc_1_row_p99_ms"])
+        rows.append(["compiled", "gRPC ModelInfer (raw)", n, 1, f"{one['p50_ms']:.2f}", f"{one['p99_ms']:.2f}",
+                     f"{n / one['p50_ms'] * 1e3:,.0f}", target, met])
+        key = _grpc_rate_target(n)
+        rows.append(["compiled", "gRPC ModelInfer (raw)", n, clients, f"{many['p50_ms']:.2f}", f"{many['p99_ms']:.2f}",
+                     f"{many['rows_per_s']:,.0f}", f">= {TARGETS[key]:,.0f} rows/s",
+                     _mark(many["rows_per_s"] >= TARGETS[key])])
     return rows
 
 
@@ -729,7 +824,9 @@ def plot(results: dict, clients: int) -> None:
 
     colors = {"traced": "tab:gray", "compiled": "tab:blue"}
     peer = results.get("peer_onnxruntime")
-    fig, axes = plt.subplots(1, 3 + (peer is not None), figsize=(15 + 5 * (peer is not None), 4.2))
+    wide = 4 * ("grpc" in results)  # gRPC's groups beside HTTP's
+    fig, axes = plt.subplots(1, 3 + (peer is not None), figsize=(15 + wide + 5 * (peer is not None), 4.2),
+                             width_ratios=[1, 1 + wide / 10, 1 + wide / 10] + [1] * (peer is not None))
     left, middle, right = axes[:3]
     if peer is not None:
         serving_peer.plot_panel(axes[3], peer)
@@ -746,33 +843,55 @@ def plot(results: dict, clients: int) -> None:
     left.set_ylabel("ms per call, p50")
     left.set_title(f"in process, served(columns), {SERVER_THREADS} torch thread", fontsize=10)
     left.legend(fontsize=7, loc="upper left", ncol=2)
-    groups = [(p, n) for n in HTTP_ROWS for p in PROTOCOLS]
-    labels = [f"{p}\n{n} row{'s' if n > 1 else ''}" for p, n in groups]
-    for k, v in enumerate(VARIANTS):
-        xs = [i + 0.4 * k for i in range(len(groups))]
-        one = [results["http"][v][p][str(n)]["1_client"] for p, n in groups]
-        middle.bar(xs, [e["p50_ms"] for e in one], 0.4, color=colors[v], label=f"{v} p50")
-        middle.scatter(xs, [e["p99_ms"] for e in one], color=colors[v], edgecolor="black", marker="v", zorder=3,
-                       label=f"{v} p99")
-        many = [results["http"][v][p][str(n)][f"{clients}_clients"]["rows_per_s"] for p, n in groups]
-        right.bar(xs, many, 0.4, color=colors[v], label=v)
-    middle.axhline(TARGETS["http_1_row_p50_ms"], color="tab:red", ls="--", lw=1, label="target p50 (1 row)")
-    middle.axhline(TARGETS["http_1_row_p99_ms"], color="tab:red", ls=":", lw=1, label="target p99 (1 row)")
-    middle.set_ylim(top=middle.get_ylim()[1] * 1.35)
-    middle.set_ylabel("ms per request")
-    middle.set_title("HTTP, 1 client", fontsize=10)
-    right.axhline(TARGETS["clients_8_1_row_rows_per_s"], xmax=0.5, color="tab:red", ls="--", lw=1, label="targets")
-    right.axhline(TARGETS["clients_8_64_rows_rows_per_s"], xmin=0.5, color="tab:red", ls="--", lw=1)
-    right.set_yscale("log")
-    right.set_ylim(top=right.get_ylim()[1] * 4)
-    right.set_ylabel("rows/s")
-    right.set_title(f"HTTP, {clients} concurrent clients", fontsize=10)
-    for ax in (middle, right):
-        ax.set_xticks([i + 0.2 for i in range(len(groups))], labels, fontsize=8)
-        ax.legend(fontsize=7, loc="upper left", ncol=2)
+    serving_panels(middle, right, results, clients, VARIANTS, PROTOCOLS)
     fig.suptitle(f"deeprec serve, DLRM (EmbeddingVariables): ExportedProgram vs AOTInductor package - {cpu_line()}",
                  fontsize=10)
     save_figure(fig, "serving")
+
+
+def serving_panels(middle, right, results: dict, clients: int, variants: tuple, protocols: tuple) -> None:
+    """HTTP (`protocols`) and, where measured, gRPC (compiled only), per row count: 1 client's p50 (bars)
+    and p99 (marks) in `middle`, `clients` clients' rows/s in `right`; each group's targets over it."""
+    colors = {"traced": "tab:gray", "compiled": "tab:blue"}
+    kinds = (*protocols, *(["grpc"] if "grpc" in results else []))
+    groups = [(p, n) for n in HTTP_ROWS for p in kinds]
+    labels = [f"{'gRPC' if p == 'grpc' else p}\n{n} row{'s' if n > 1 else ''}" for p, n in groups]
+    width = 0.8 / len(variants)
+
+    def entry(variant: str, protocol: str, n: int) -> dict | None:
+        if protocol == "grpc":
+            return results["grpc"][str(n)] if variant == "compiled" else None
+        return results["http"][variant][protocol][str(n)]
+
+    for k, v in enumerate(variants):
+        found = [(i + width * k, e) for i, (p, n) in enumerate(groups) if (e := entry(v, p, n)) is not None]
+        xs = [x for x, _ in found]
+        middle.bar(xs, [e["1_client"]["p50_ms"] for _, e in found], width, color=colors[v], label=f"{v} p50")
+        middle.scatter(xs, [e["1_client"]["p99_ms"] for _, e in found], color=colors[v], edgecolor="black",
+                       marker="v", zorder=3, label=f"{v} p99")
+        right.bar(xs, [e[f"{clients}_clients"]["rows_per_s"] for _, e in found], width, color=colors[v], label=v)
+    for i, (p, n) in enumerate(groups):  # each group's targets, over its bars
+        span = (i - width / 2, i + width * (len(variants) - 0.5))
+        if n == 1:
+            key = "grpc_1_row" if p == "grpc" else "http_1_row"
+            middle.hlines(TARGETS[f"{key}_p50_ms"], *span, color="tab:red", ls="--", lw=1,
+                          label="target p50 (1 row)" if i == 0 else None)
+            middle.hlines(TARGETS[f"{key}_p99_ms"], *span, color="tab:red", ls=":", lw=1,
+                          label="target p99 (1 row)" if i == 0 else None)
+        key = _grpc_rate_target(n) if p == "grpc" else ("clients_8_1_row_rows_per_s" if n == 1 else
+                                                        "clients_8_64_rows_rows_per_s")
+        right.hlines(TARGETS[key], *span, color="tab:red", ls="--", lw=1, label="targets" if i == 0 else None)
+    middle.set_ylim(top=middle.get_ylim()[1] * 1.35)
+    middle.set_ylabel("ms per request")
+    right.set_yscale("log")
+    right.set_ylim(top=right.get_ylim()[1] * 4)
+    right.set_ylabel("rows/s")
+    over = "HTTP and gRPC" if "grpc" in results else "HTTP"
+    middle.set_title(f"{over}, 1 client", fontsize=10)
+    right.set_title(f"{over}, {clients} concurrent clients", fontsize=10)
+    for ax in (middle, right):
+        ax.set_xticks([i + width * (len(variants) - 1) / 2 for i in range(len(groups))], labels, fontsize=8)
+        ax.legend(fontsize=7, loc="upper left", ncol=2)
 
 
 def main() -> None:
@@ -786,6 +905,8 @@ def main() -> None:
                         "deeprec (its extension built), in the same run: a before/after table")
     parser.add_argument("--peer-only", action="store_true", help="only the in-process measurement and the ONNX "
                         "Runtime peer (bench/serving_peer.py), no HTTP servers: bench/results/serving_peer.json")
+    parser.add_argument("--grpc-only", action="store_true", help="only the compiled server: gRPC, and HTTP v2 (JSON, "
+                        "binary) beside it (no in process, peer, traced, profile): bench/results/serving_grpc.json")
     args = parser.parse_args()
 
     import torch
@@ -820,6 +941,8 @@ def main() -> None:
         if served.compiled is None:
             raise SystemExit(f"{path}: not scored by its compiled package: {served.compiled_reason}")
         rows = sample_rows(sample_path("criteo_sample.txt"), served.schema)
+        if args.grpc_only:
+            return _grpc_only(results, args, path, served, rows, folder, took, began)
 
         print("in process ...", flush=True)
         threads = sorted({1, default_threads})
@@ -840,7 +963,8 @@ def main() -> None:
         results["http"] = {}
         for variant in VARIANTS:
             print(f"HTTP, {variant} ...", flush=True)
-            server = Server(paths[variant], os.path.join(folder, f"{variant}.log"), name=model_name(path))
+            server = Server(paths[variant], os.path.join(folder, f"{variant}.log"), name=model_name(path),
+                            grpc=variant == "compiled")
             try:
                 results["http"][variant] = measure_http(server, served, rows, args.requests, args.clients)
                 if variant == "compiled":  # http.client's own cost, beside the lean client
@@ -848,9 +972,14 @@ def main() -> None:
                     results["stdlib_http_client_vs_lean"] = {
                         "get_live": stdlib_client_overhead(server.port, "/v2/health/live", None, {}, args.requests),
                         "v1_1_row": stdlib_client_overhead(server.port, *one, args.requests)}
+                    lap(f"http_{variant}")
+                    print("gRPC, compiled ...", flush=True)
+                    results["grpc"] = measure_grpc(server, served, rows, args.requests, args.clients)
+                    lap("grpc_compiled")
             finally:
                 server.stop()
-            lap(f"http_{variant}")
+            if variant != "compiled":
+                lap(f"http_{variant}")
 
         if args.before:
             print(f"HTTP, compiled, served by {args.before} ...", flush=True)
@@ -876,8 +1005,8 @@ def main() -> None:
         results["delta_apply"] = delta_apply(path)
         lap("delta_apply")
     results["phase_seconds"] = took
-    results["verdicts"] = verdicts(results, args.clients) + [  # the peer's targets: ratios to ONNX Runtime
-        {"variant": "compiled", **v} for v in results["peer_onnxruntime"].get("verdicts", [])]
+    results["verdicts"] = verdicts(results, args.clients) + grpc_verdicts(results, args.clients) + [
+        {"variant": "compiled", **v} for v in results["peer_onnxruntime"].get("verdicts", [])]  # the peer's: ratios
     results["seconds"] = time.perf_counter() - began
 
     print_table(f"deeprec serve, DLRM (EmbeddingVariables), loopback, client sharing the cores - {cpu_line()}; "
@@ -890,6 +1019,42 @@ def main() -> None:
         _print_before_after(results, args.clients)
     print("saved", save_json("serving", results))
     plot(results, args.clients)
+    print(f"{results['seconds']:.0f} s in all")
+
+
+def _grpc_only(results: dict, args, path: str, served, rows: dict, folder: str, took: dict, began: float) -> None:
+    """--grpc-only: the compiled export's server (with --grpc-port 0): HTTP v2 (JSON, binary) and gRPC, at 1
+    and 64 rows, 1 and `clients` clients; in bench/results/serving_grpc.json and .png (serving.json keeps
+    the full run's)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from deeprec.serving.repository import model_name
+
+    mark = time.perf_counter()
+    print("HTTP v2 and gRPC, compiled ...", flush=True)
+    server = Server(path, os.path.join(folder, "compiled.log"), name=model_name(path), grpc=True)
+    try:
+        results["http"] = {"compiled": measure_http(server, served, rows, args.requests, args.clients, V2)}
+        took["http_compiled"], mark = time.perf_counter() - mark, time.perf_counter()
+        results["grpc"] = measure_grpc(server, served, rows, args.requests, args.clients)
+        took["grpc_compiled"] = time.perf_counter() - mark
+    finally:
+        server.stop()
+    results["phase_seconds"] = took
+    results["verdicts"] = http_verdicts(results, "compiled", args.clients, V2) + grpc_verdicts(results, args.clients)
+    results["seconds"] = time.perf_counter() - began
+    print_table(f"deeprec serve, DLRM (EmbeddingVariables), compiled, HTTP v2 and gRPC, loopback, client sharing the "
+                f"cores - {cpu_line()}; server --threads {SERVER_THREADS}",
+                ["variant", "load", "rows", "clients", "p50 ms", "p99 ms", "rows/s", "target", ""],
+                http_table(results, "compiled", args.clients) + grpc_table(results, args.clients))
+    print("saved", save_json("serving_grpc", results))
+    fig, (middle, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    serving_panels(middle, right, results, args.clients, ("compiled",), V2)
+    fig.suptitle(f"deeprec serve, DLRM (EmbeddingVariables), AOTInductor package: HTTP v2 and gRPC - {cpu_line()}",
+                 fontsize=10)
+    save_figure(fig, "serving_grpc")
     print(f"{results['seconds']:.0f} s in all")
 
 
