@@ -116,7 +116,7 @@ def allocators(data: str, steps: int, rounds: int) -> dict:
     if _mimalloc():
         settings["mimalloc (LD_PRELOAD)"] = {"LD_PRELOAD": _mimalloc()}
     else:
-        print("mimalloc skipped: pip install -e '.[bench]' provides it")
+        print("mimalloc skipped: the cmeel-mimalloc wheel (a dependency) is not installed")
     runs = {name: [] for name in settings}
     for _ in range(rounds):
         for name, env in settings.items():

@@ -325,8 +325,12 @@ class Server:
         env = None if source is None else {**os.environ, "PYTHONPATH": source}
         if profile is None:
             command = [sys.executable, "-m", "deeprec", *args]
-        else:
+        else:  # the harness keeps its process: it preloads what `deeprec serve` would re-execute with
             command = [sys.executable, "-c", _PROFILED, profile, *args]
+            from deeprec.serving.allocator import mimalloc_library
+
+            if mimalloc_library():
+                env = {**(env or os.environ), "LD_PRELOAD": mimalloc_library(), "DEEPREC_ALLOCATOR_SET": "1"}
         self.log = open(log, "w")
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
                                         cwd=source)

@@ -442,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "with --workers N, per worker: max(1, cores // N - 1))")
     sv.add_argument("--workers", type=at_least(1), default=1, help="processes answering on the one port (SO_REUSEPORT, "
                     "under a supervisor that restarts one that dies); each loads the model (its tables mapped: one "
-                    "copy in memory) and follows the export dir; /metrics sums them (default 1: one process)")
+                    "copy in memory until a delta updates a table) and follows the export dir; /metrics sums them (default 1: one process)")
     sv.add_argument("--watch-interval", type=positive_float, default=1.0,
                     help="seconds between looks for new deltas/full exports (MODEL_DIR a training's --export-dir)")
     sv.add_argument("--max-rows", type=at_least(1), default=8192, help="rows of one request (more: 400)")

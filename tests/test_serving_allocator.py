@@ -25,11 +25,12 @@ def _maps(pid: int) -> str:
 def test_serve_runs_with_mimalloc_and_answers_the_same_scores(tmp_path):
     path, rows = _dlrm_export(tmp_path, rows=8)
     env = {k: v for k, v in os.environ.items() if k != "DEEPREC_SERVE_ALLOCATOR"}  # the default: auto
+    log = open(tmp_path / "serve.log", "w+")  # a file: a pipe nobody reads could fill and block the server
     proc = subprocess.Popen([sys.executable, "-m", "deeprec", "serve", path, "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     try:
         line = proc.stdout.readline()
-        assert line.startswith("listening on http://127.0.0.1:"), (line, proc.stderr.read() if proc.poll() else "")
+        assert line.startswith("listening on http://127.0.0.1:"), (line, log.seek(0) or log.read())
         # re-executed in place (the same pid, so a supervisor's signals still reach it), mimalloc mapped
         assert "libmimalloc" in _maps(proc.pid)
         reply = httpx.post(f"{line.split()[-1]}/v1/predict", json={"inputs": rows}, timeout=30)
@@ -39,6 +40,7 @@ def test_serve_runs_with_mimalloc_and_answers_the_same_scores(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+        log.close()
     assert proc.returncode == -15
 
 

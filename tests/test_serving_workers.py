@@ -179,6 +179,15 @@ def test_the_port_is_held_by_the_supervisor_and_one_in_use_is_refused():
         taken.listen()
         with pytest.raises(ConfigError, match=f"--port {taken.getsockname()[1]}: cannot listen there"):
             reserve("127.0.0.1", taken.getsockname()[1])
+    with socket.socket() as foreign:  # another server listening with SO_REUSEPORT (grpc's default): not joined
+        foreign.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        foreign.bind(("127.0.0.1", 0))
+        foreign.listen()
+        with pytest.raises(ConfigError, match=f"--port {foreign.getsockname()[1]}: cannot listen there"):
+            reserve("127.0.0.1", foreign.getsockname()[1])
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
         # --grpc-port too: refused in the supervisor, before any worker starts
         with pytest.raises(ConfigError, match=f"--grpc-port {taken.getsockname()[1]}: cannot listen there"):
             supervise({"host": "127.0.0.1", "port": 0, "threads": None, "grpc_port": taken.getsockname()[1]}, 2)

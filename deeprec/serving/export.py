@@ -117,8 +117,11 @@ def export(model: torch.nn.Module, path: str, *, schema: Schema | None = None, m
         freeze_variables(frozen)
         batch = example_batch(schema)
         shown.stage(STAGES[1])
-        program = _trace(frozen, batch)
-        any_size = _any_size(program, frozen, schema)
+        try:
+            program = _trace(frozen, batch)
+            any_size = _any_size(program, frozen, schema)
+        except Exception:  # noqa: BLE001 - a model the symbolic-from-0 trace cannot take: the usual one
+            any_size = False
         if not any_size:  # the usual trace (sizes 0 and 1 specialized): 1 row is padded to 2
             program = _trace(frozen, batch, any_size=False)
         shown.stage(STAGES[2])
@@ -126,8 +129,8 @@ def export(model: torch.nn.Module, path: str, *, schema: Schema | None = None, m
     return path
 
 
-def _compile(frozen: torch.nn.Module, program, batch: dict, staging: str,
-             held: contextlib.ExitStack) -> dict[str, str | None]:
+def _compile(frozen: torch.nn.Module, program, batch: dict, staging: str, held: contextlib.ExitStack,
+             any_size: bool = False) -> dict[str, str | None]:
     """The AOTInductor packages into `staging`: CPU from `program`; CUDA from a trace of `frozen` on
     the GPU (preprocessing ops copy their ids to the host themselves). {device: the cache key to store
     the package under once it passed its check, or None where it came from the cache}; each key's
@@ -139,7 +142,7 @@ def _compile(frozen: torch.nn.Module, program, batch: dict, staging: str,
         try:
             on_gpu = copy.deepcopy(frozen).to("cuda")
             gpu_batch = tree_map(lambda t: t.to("cuda") if isinstance(t, torch.Tensor) else t, batch)
-            gpu_program = _trace(on_gpu, gpu_batch)
+            gpu_program = _trace(on_gpu, gpu_batch, any_size)  # traced as the CPU program was
             compiled["cuda"] = compile_package(gpu_program, os.path.join(staging, package_name("cuda")), "cuda", held)
         except Exception as err:  # the CPU package stands; serving on the GPU says why it has none
             warnings.warn(f"export: no CUDA package ({type(err).__name__}: {str(err).splitlines()[0]})", stacklevel=3)
@@ -206,7 +209,7 @@ def _write(program, model, path: str, schema: Schema, batch: dict, model_name, s
             compiled = {}
             if compile:
                 shown.stage(STAGES[4])
-                compiled = _compile(frozen, program, batch, staging, held)
+                compiled = _compile(frozen, program, batch, staging, held, any_size)
             manifest = {"format": FORMAT, "model": model_name or type(model).__name__.lower(), "step": int(step),
                         "schema": schema_to_dict(schema), "labels": list(getattr(model, "label_columns", ("label",))),
                         "inputs": sorted(batch), "compiled": list(compiled), "shared": shared,

@@ -3,10 +3,11 @@
 On a request of a few rows Arrow's cost is per call, not per value: about 15 us for each of a DLRM's 39
 columns (an array, a fill, a view), 0.45 ms in all for one row. Here each column is one pass over its
 few values. Only the common JSON values take this path: numbers (floats, and ints that float32 holds
-exactly) and nulls in a number column, ints and nulls in an int id column, strings, ints and nulls in a
-string id column; a column absent. Anything else (numbers as text, an inf, a sequence column, a
-bool, numpy arrays but float ones) returns None, and the request takes `request.convert_columns`'
-general path, which converts or names the bad value. Both give the same batch, bit for bit
+exactly) and nulls in a number column, ints and nulls in an int id column, strings, bytes, ints and
+nulls in a string id column; numpy columns (KServe v2 binary tensors, gRPC) of floats in a number
+column, of ints in an int id column, of objects in a string id column; a column absent. Anything else
+(numbers as text, an inf, a bool, a sequence column) returns None, and the request takes
+`request.arrow_batch`, the general path, which converts or names the bad value. Both give the same batch, bit for bit
 (tests/test_short_request.py holds them equal on drawn values).
 """
 from __future__ import annotations

@@ -43,6 +43,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from multiprocessing import connection
 
@@ -186,10 +187,15 @@ def reserve(host: str, port: int, option: str = "--port") -> socket.socket:
     the workers, which bind it too. A ConfigError naming `option` if it cannot be bound."""
     from deeprec.errors import ConfigError
 
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family)
     try:
+        if port:  # first a plain bind: SO_REUSEPORT would join a port another server listens on with it
+            with socket.socket(family) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((host, port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
     except OSError as err:
         sock.close()
@@ -327,7 +333,9 @@ class Supervisor:
         alive = [s.process for s in self.slots if s.process.pid is not None and s.process.exitcode is None]
         for process in alive:
             process.terminate()
-        connection.wait([p.sentinel for p in alive], GRACE_S)
+        left, deadline = {p.sentinel for p in alive}, time.monotonic() + GRACE_S
+        while left and deadline > time.monotonic():  # wait returns when any one is done: until all are
+            left -= set(connection.wait(left, deadline - time.monotonic()))
         for process in alive:
             if process.is_alive():
                 process.kill()
