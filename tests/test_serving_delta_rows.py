@@ -38,3 +38,17 @@ def test_a_delta_with_rows_of_the_wrong_shape_is_refused(dlrm, tmp_path, shape):
     delta = _row_delta(live, name, keys, values)
     assert folder.refresh(model) is None  # refused, not raised
     assert delta in folder.refused and f"variable {name!r}" in folder.refused[delta], folder.refused
+
+
+def test_a_delta_to_tied_weights_updates_every_name_of_them():
+    """A weight under two names (a user's tied layers, tie_shared's aliases) is in a delta once; the
+    update replaces tensors (the old ones may be shared with the model serving), so both names take it."""
+    from deeprec.serving.online import _merge_delta
+
+    module = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    module[1].weight = module[0].weight
+    old = module[0].weight.detach().clone()
+    new = torch.arange(9.0).reshape(3, 3)
+    _merge_delta(module, {"variables": []}, {"0.weight": new}, "delta")
+    assert torch.equal(module[0].weight, new) and torch.equal(module[1].weight, new)
+    assert module[0].weight.data_ptr() == module[1].weight.data_ptr() and not torch.equal(old, new)

@@ -23,6 +23,7 @@ tritonclient.grpc's own do: one process cannot import both (the server never imp
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import hmac
 import logging
@@ -34,7 +35,7 @@ import grpc
 from deeprec.errors import ConfigError
 from deeprec.serving import RequestError
 from deeprec.serving import protocols as p
-from deeprec.serving.repository import NonFinite, Pending, Served
+from deeprec.serving.repository import Missing, NonFinite, Pending, Served, find_served
 
 try:
     from deeprec.serving.proto import grpc_service_pb2 as pb
@@ -103,14 +104,10 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
     def find(self, name: str, version: str = "") -> Served:
         """The model `name` (at `version`, the training step, if one is given); NOT_FOUND otherwise."""
-        found = self.served.get(name)
-        if found is None:
-            raise Failure(Code.NOT_FOUND, f"no model {name!r} here (serving: {', '.join(self.served)})")
-        if version and version != str(found.model.step):
-            raise Failure(Code.NOT_FOUND, f"model {name!r} version {version!r} is not served: version "
-                                          f"{found.model.step} is (the version is the training step of the export "
-                                          "served)")
-        return found
+        try:
+            return find_served(self.served, name, version or None)
+        except Missing as err:
+            raise Failure(Code.NOT_FOUND, str(err)) from None
 
     # -- open: health and the server ----------------------------------------------------------------
 
@@ -181,6 +178,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             failure = Failure(Code.INVALID_ARGUMENT, str(err))
         except NonFinite:
             failure = Failure(Code.INTERNAL, "the model gave non-finite scores (logged by the server)")
+        except asyncio.CancelledError:  # the client cancelled, or its deadline passed: counted as HTTP's 499
+            self.metrics.count(found.name if found is not None else None, 499)
+            raise
         except Exception:  # a bug of the server, never the client's: logged with its traceback
             log.exception("predict failed (gRPC)")
             failure = Failure(Code.INTERNAL, "internal error (logged by the server)")

@@ -192,8 +192,20 @@ def _merge_delta(module: torch.nn.Module, manifest: dict, tensors: dict, path: s
     for frozen, new_keys, new_values in rows:
         keys, values = merged(frozen.sorted_keys, frozen.values, new_keys, new_values, float(frozen.missing_value))
         frozen.sorted_keys, frozen.values = keys, values  # the graph reads them by name, whatever their size
-    # new tensors, never written into the old ones: those are shared with the model serving now (_copy)
-    module.load_state_dict({k: v.to(known[k].dtype, copy=True) for k, v in dense.items()}, strict=False, assign=True)
+    # new tensors, never written into the old ones: those are shared with the model serving now (_copy).
+    # A tensor under several names (tied weights) is in a delta once: every name of it takes the new one
+    names = {}
+    for k, t in known.items():
+        names.setdefault(_identity(t), []).append(k)
+    update = {}
+    for k, v in dense.items():
+        new = v.to(known[k].dtype, copy=True)
+        update.update({name: new for name in names[_identity(known[k])]} if known[k].numel() else {k: new})
+    module.load_state_dict(update, strict=False, assign=True)
+
+
+def _identity(t: torch.Tensor) -> tuple:
+    return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype
 
 
 def _copy(served):

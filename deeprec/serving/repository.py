@@ -306,6 +306,25 @@ class NonFinite(Exception):
     """The model gave a NaN or an infinity: the server's fault (the request's values were checked)."""
 
 
+class Missing(Exception):
+    """No such model (404), or no model named where several are served (400)."""
+
+    def __init__(self, message: str, status: int = 404):
+        super().__init__(message)
+        self.status = status
+
+
+def find_served(served: dict, name: str, version: str | None = None) -> "Served":
+    """The model `name` of `served` (at `version`, the training step of its export, if one is given)."""
+    found = served.get(name)
+    if found is None:
+        raise Missing(f"no model {name!r} here (serving: {', '.join(served)})")
+    if version is not None and version != str(found.model.step):
+        raise Missing(f"model {name!r} version {version!r} is not served: version {found.model.step} is "
+                      "(the version is the training step of the export served)")
+    return found
+
+
 class Served:
     """One model served: its batcher, health (a probe prediction at start and before each update is
     taken) and the export folder it follows, if any."""
