@@ -411,29 +411,35 @@ def measure_http(server: Server, served, rows: dict, requests: int, clients: int
         several = [bodies(served, rows, n, start=17 * i) for i in range(clients)]
         for protocol in protocols:
             what = f"{protocol}, {n} rows"
-            request = http_request(*single[protocol])
-            before = server.metrics()
-            lat = one_client(server.port, request, requests, what)
-            after = server.metrics()
-            lat["server_handler_mean_ms"] = _mean_delta(before, after, "deeprec_request_latency_seconds") * 1e3
-            # throughput: clients x the same number of requests as the latency loop, at least 50 each
-            total = max(requests, 50 * clients) if n == 1 else max(requests // 2, 25 * clients)
-            reqs = [http_request(*b[protocol]) for b in several]
-            before, cpu_server, cpu_client = server.metrics(), server.cpu_seconds(), time.process_time()
-            elapsed, times, done = asyncio.run(_many_clients(server.port, reqs, total, what))
-            cpu_server, cpu_client = server.cpu_seconds() - cpu_server, time.process_time() - cpu_client
-            after = server.metrics()
-            many = {"rows_per_s": done * n / elapsed, "requests_per_s": done / elapsed, "requests": done,
-                    **{k: v for k, v in latency_stats(times).items() if k != "requests"},
-                    "rows_per_model_call": _mean_delta(before, after, "deeprec_batch_rows") or None,
-                    "server_cpu_ms_per_request": cpu_server / done * 1e3,
-                    "client_cpu_ms_per_request": cpu_client / done * 1e3,
-                    "cores_busy_with_server_and_client": (cpu_server + cpu_client) / elapsed}
-            out.setdefault(protocol, {})[str(n)] = {"1_client": lat, f"{clients}_clients": many}
-            print(f"  {protocol:9} {n:3} rows: 1 client p50 {lat['p50_ms']:.2f} ms p99 {lat['p99_ms']:.2f} ms; "
-                  f"{clients} clients {many['rows_per_s']:,.0f} rows/s ({many['rows_per_model_call'] or 0:.1f} rows "
-                  f"per model call)", flush=True)
+            request, reqs = http_request(*single[protocol]), [http_request(*b[protocol]) for b in several]
+            out.setdefault(protocol, {})[str(n)] = measure_load(
+                server, protocol, n, clients, requests, lambda: one_client(server.port, request, requests, what),
+                lambda total: asyncio.run(_many_clients(server.port, reqs, total, what)))
     return out
+
+
+def measure_load(server: Server, label: str, n: int, clients: int, requests: int, one, many) -> dict:
+    """{"1_client": latency (`one()`: its stats), "N_clients": rows/s, latency, rows per model call and
+    CPU per request of `many(total)` -> (seconds, latencies, requests done)}, from the server's metrics.
+    The clients make as many requests as the latency loop, at least 50 each (25 at more than 1 row)."""
+    before = server.metrics()
+    lat = one()
+    lat["server_handler_mean_ms"] = _mean_delta(before, server.metrics(), "deeprec_request_latency_seconds") * 1e3
+    total = max(requests, 50 * clients) if n == 1 else max(requests // 2, 25 * clients)
+    before, cpu_server, cpu_client = server.metrics(), server.cpu_seconds(), time.process_time()
+    elapsed, times, done = many(total)
+    cpu_server, cpu_client = server.cpu_seconds() - cpu_server, time.process_time() - cpu_client
+    after = server.metrics()
+    loaded = {"rows_per_s": done * n / elapsed, "requests_per_s": done / elapsed, "requests": done,
+              **{k: v for k, v in latency_stats(times).items() if k != "requests"},
+              "rows_per_model_call": _mean_delta(before, after, "deeprec_batch_rows") or None,
+              "server_cpu_ms_per_request": cpu_server / done * 1e3,
+              "client_cpu_ms_per_request": cpu_client / done * 1e3,
+              "cores_busy_with_server_and_client": (cpu_server + cpu_client) / elapsed}
+    print(f"  {label:9} {n:3} rows: 1 client p50 {lat['p50_ms']:.2f} ms p99 {lat['p99_ms']:.2f} ms; "
+          f"{clients} clients {loaded['rows_per_s']:,.0f} rows/s ({loaded['rows_per_model_call'] or 0:.1f} rows "
+          f"per model call)", flush=True)
+    return {"1_client": lat, f"{clients}_clients": loaded}
 
 
 def _mean_delta(before: dict, after: dict, name: str) -> float:
@@ -458,7 +464,12 @@ def measure_grpc(server: Server, served, rows: dict, requests: int, clients: int
     print(f"  gRPC scores equal HTTP v2's (JSON and binary answers), bit for bit, at {', '.join(map(str, HTTP_ROWS))} "
           "rows", flush=True)
     return {"address": server.grpc, "client": serving_grpc.CLIENT, "scores_equal_http_v2": checks,
-            **serving_grpc.measure(server, reqs, latency_stats, requests, clients)}
+            **{str(n): measure_load(server, "gRPC", n, clients, requests,
+                                    lambda: latency_stats(serving_grpc.one_client(server.grpc, r[0], n, requests,
+                                                                                  f"gRPC, {n} rows")),
+                                    lambda total: asyncio.run(serving_grpc.many_clients(
+                                        server.grpc, r[:clients], n, total, f"gRPC, {n} rows")))
+               for n, r in reqs.items()}}
 
 
 # -- in process -----------------------------------------------------------------------------------

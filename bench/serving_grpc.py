@@ -145,38 +145,3 @@ async def many_clients(target: str, requests: list[bytes], rows: int, total: int
     finally:
         for channel in channels:
             await channel.close()
-
-
-def _mean_delta(before: dict, after: dict, name: str) -> float:
-    count = after.get(f"{name}_count", 0) - before.get(f"{name}_count", 0)
-    return (after.get(f"{name}_sum", 0) - before.get(f"{name}_sum", 0)) / count if count else 0.0
-
-
-def measure(server, requests: dict[int, list[bytes]], latency_stats, count: int, clients: int) -> dict:
-    """`server` (bench/serving.py's Server, started with gRPC: .grpc, .metrics(), .cpu_seconds()); `requests`:
-    {rows: [a serialized request per client]} (the first one the 1-client request). As serving.py's
-    measure_http per protocol: {rows: {"1_client": latency, "N_clients": throughput}}; the throughput loads
-    make as many calls as HTTP's (clients x max(count / clients, 50) at 1 row, half at more rows)."""
-    out = {}
-    for n, reqs in requests.items():
-        what = f"gRPC, {n} rows"
-        before = server.metrics()
-        lat = latency_stats(one_client(server.grpc, reqs[0], n, count, what))
-        after = server.metrics()
-        lat["server_handler_mean_ms"] = _mean_delta(before, after, "deeprec_request_latency_seconds") * 1e3
-        total = max(count, 50 * clients) if n == 1 else max(count // 2, 25 * clients)
-        before, cpu_server, cpu_client = server.metrics(), server.cpu_seconds(), time.process_time()
-        elapsed, times, done = asyncio.run(many_clients(server.grpc, reqs[:clients], n, total, what))
-        cpu_server, cpu_client = server.cpu_seconds() - cpu_server, time.process_time() - cpu_client
-        after = server.metrics()
-        many = {"rows_per_s": done * n / elapsed, "requests_per_s": done / elapsed, "requests": done,
-                **{k: v for k, v in latency_stats(times).items() if k != "requests"},
-                "rows_per_model_call": _mean_delta(before, after, "deeprec_batch_rows") or None,
-                "server_cpu_ms_per_request": cpu_server / done * 1e3,
-                "client_cpu_ms_per_request": cpu_client / done * 1e3,
-                "cores_busy_with_server_and_client": (cpu_server + cpu_client) / elapsed}
-        out[str(n)] = {"1_client": lat, f"{clients}_clients": many}
-        print(f"  {'gRPC':9} {n:3} rows: 1 client p50 {lat['p50_ms']:.2f} ms p99 {lat['p99_ms']:.2f} ms; "
-              f"{clients} clients {many['rows_per_s']:,.0f} rows/s ({many['rows_per_model_call'] or 0:.1f} rows "
-              f"per model call)", flush=True)
-    return out
