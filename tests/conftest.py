@@ -83,7 +83,7 @@ def small_model() -> dict:
 
 os.environ.setdefault("DEEPREC_CACHE", os.path.join(os.path.dirname(__file__), ".cache"))
 # `deeprec serve` keeps the process the suite's fork server started (tests/prefork.py) instead of
-# re-executing it with mimalloc (a fresh interpreter, 2-3 s a start); test_serving_allocator.py tests that
+# re-executing it with mimalloc (a fresh interpreter, 2-3 s a start); tests/test_serving.py tests that
 os.environ.setdefault("DEEPREC_SERVE_ALLOCATOR", "system")
 
 

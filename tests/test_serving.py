@@ -1,6 +1,10 @@
 """Serving exports: the exported program scores exactly as the trained model evaluates."""
 import json
+import os
+import subprocess
+import sys
 
+import httpx
 import pytest
 import torch
 
@@ -8,7 +12,9 @@ import deeprec as dr
 from deeprec.cli import sample_path
 from deeprec.data import open_reader
 from deeprec.data.collate import collate
+from deeprec.errors import ConfigError
 from deeprec.serving import RequestError, ServingError
+from deeprec.serving.allocator import mimalloc_library, run_with
 from deeprec.trainer import TrainConfig, Trainer
 
 SAMPLES = {"din": "movielens_sample.txt", "mmoe": "byterec_sample.txt"}
@@ -172,3 +178,36 @@ def test_deltas_bring_the_served_model_to_the_trained_one(tmp_path):
         reference.model.eval()
         with torch.no_grad():
             assert torch.equal(served.logits(batch), reference.model(batch)["logits"]), step
+
+
+@pytest.mark.slow(reason="a server start and its re-execution with mimalloc preloaded")
+@pytest.mark.skipif(mimalloc_library() is None or not sys.platform.startswith("linux"),
+                    reason="cmeel-mimalloc is not installed")
+def test_serve_runs_with_mimalloc_and_answers_the_same_scores(dlrm_export, tmp_path):
+    """`deeprec serve --allocator auto` (the default; the suite's own servers keep the system's)."""
+    trainer, data, path = dlrm_export
+    rows = _json_rows(data, trainer.schema, 8)
+    env = {k: v for k, v in os.environ.items() if k != "DEEPREC_SERVE_ALLOCATOR"}
+    log = open(tmp_path / "serve.log", "w+")  # a file: a pipe nobody reads could fill and block the server
+    proc = subprocess.Popen([sys.executable, "-m", "deeprec", "serve", path, "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("listening on http://127.0.0.1:"), (line, log.seek(0) or log.read())
+        with open(f"/proc/{proc.pid}/maps") as f:  # re-executed in place (the same pid), mimalloc mapped
+            assert "libmimalloc" in f.read()
+        reply = httpx.post(f"{line.split()[-1]}/v1/predict", json={"inputs": rows}, timeout=30)
+        assert reply.status_code == 200, reply.text
+        want = dr.serving.load(path)(rows)
+        assert torch.equal(torch.tensor(reply.json()["scores"], dtype=torch.float32), want)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+    assert proc.returncode == -15
+
+
+def test_allocator_choices():
+    with pytest.raises(ConfigError, match="--allocator 'tcmalloc': one of auto, mimalloc, system"):
+        run_with("tcmalloc", ["serve", "x"])
+    run_with("system", ["serve", "x"])  # nothing to do: returns

@@ -190,7 +190,8 @@ def test_the_port_is_held_by_the_supervisor_and_one_in_use_is_refused():
         taken.listen()
         # --grpc-port too: refused in the supervisor, before any worker starts
         with pytest.raises(ConfigError, match=f"--grpc-port {taken.getsockname()[1]}: cannot listen there"):
-            supervise({"host": "127.0.0.1", "port": 0, "threads": None, "grpc_port": taken.getsockname()[1]}, 2)
+            supervise(None, {"host": "127.0.0.1", "port": 0, "threads": None,
+                             "grpc_port": taken.getsockname()[1]}, 2)
     from deeprec.serving.server import serve
 
     with pytest.raises(ConfigError, match="--grpc-port 9000 is --port's"):

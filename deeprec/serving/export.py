@@ -119,11 +119,11 @@ def export(model: torch.nn.Module, path: str, *, schema: Schema | None = None, m
         shown.stage(STAGES[1])
         try:
             program = _trace(frozen, batch)
-            any_size = _any_size(program, frozen, schema)
         except Exception:  # noqa: BLE001 - a model the symbolic-from-0 trace cannot take: the usual one
-            any_size = False
-        if not any_size:  # the usual trace (sizes 0 and 1 specialized): 1 row is padded to 2
             program = _trace(frozen, batch, any_size=False)
+        # a program that refuses 1 row does so by a guard it checks at each call (never a wrong score):
+        # it serves the padded 2 rows as the usual trace would
+        any_size = _any_size(program, frozen, schema)
         shown.stage(STAGES[2])
         _write(program, model, path, schema, batch, model_name, step, shown, frozen, compile, any_size)
     return path
@@ -199,7 +199,7 @@ def _write(program, model, path: str, schema: Schema, batch: dict, model_name, s
         tensors = {**program.state_dict, **{k: v for k, v in program.constants.items() if isinstance(v, torch.Tensor)}}
         _check_room(staging, (2 + compile) * sum(t.numel() * t.element_size() for t in tensors.values()) + (1 << 20))
         torch.export.save(program, os.path.join(staging, PROGRAM))
-        if any_size and not _loads(os.path.join(staging, PROGRAM)):
+        if not _loads(os.path.join(staging, PROGRAM)):  # some symbolic-from-0 traces do not: the usual one
             program, any_size = _trace(frozen, batch, any_size=False), False
             torch.export.save(program, os.path.join(staging, PROGRAM))
         shown.stage(STAGES[3])

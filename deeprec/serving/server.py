@@ -368,7 +368,7 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 8080, max_batch: int =
     if grpc_port is not None and grpc_port == port != 0:
         raise ConfigError(f"--grpc-port {grpc_port} is --port's: give gRPC a port of its own (0: any free one)")
     if workers > 1:
-        return supervise(arguments, workers)
+        return supervise(serve, arguments, workers)
     worker = current()  # a worker of `--workers N`: its sockets share the supervisor's ports
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
     grpc = None if grpc_port is None else (host, grpc_port)  # the gRPC service too (grpc_service.py)

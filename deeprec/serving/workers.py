@@ -142,8 +142,9 @@ def _report(conn, err: Exception) -> str:
     return kind
 
 
-def _main(arguments: dict, index: int, conn) -> None:
-    """A worker (multiprocessing's target): serve(**arguments) with its sockets shared; its startup's
+def _main(serve, arguments: dict, index: int, conn) -> None:
+    """A worker (multiprocessing's target): serve(**arguments) (server.serve, handed over by reference:
+    this module does not import the server, which imports it) with its sockets shared; its startup's
     failure sent to the supervisor (_report)."""
     global _current
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the supervisor, which stops us (uvicorn
@@ -152,7 +153,6 @@ def _main(arguments: dict, index: int, conn) -> None:
     _current = Worker(index, conn)
     sys.stdout = _current.printed
     from deeprec.errors import ConfigError, DeepRecError
-    from deeprec.serving.server import serve
 
     try:
         serve(**arguments)
@@ -225,15 +225,15 @@ class Supervisor:
     exit, stops them all on SIGINT/SIGTERM. `run` returns that signal's number, or raises the error of
     a worker that failed at start (the others stopped)."""
 
-    def __init__(self, arguments: dict, count: int, metrics_dir: str):
-        self.arguments, self.count, self.metrics_dir = arguments, count, metrics_dir
+    def __init__(self, serve, arguments: dict, count: int, metrics_dir: str):
+        self.serve, self.arguments, self.count, self.metrics_dir = serve, arguments, count, metrics_dir
         self.context = multiprocessing.get_context("spawn")
         self.slots: list[_Slot] = []
         self.announced, self.signalled = False, None
 
     def _start(self, index: int) -> _Slot:
         mine, theirs = self.context.Pipe()
-        process = self.context.Process(target=_main, args=(self.arguments, index, theirs),
+        process = self.context.Process(target=_main, args=(self.serve, self.arguments, index, theirs),
                                        name=f"deeprec-serve-worker-{index}")
         process.start()
         theirs.close()  # the worker's end: ours closed, its exit closes the pipe
@@ -344,8 +344,9 @@ class Supervisor:
             slot.conn.close()
 
 
-def supervise(arguments: dict, count: int) -> None:
-    """`deeprec serve --workers count`: `arguments` are serve's (its keywords, by name)."""
+def supervise(serve, arguments: dict, count: int) -> None:
+    """`deeprec serve --workers count`: `serve` (server.serve) run in each worker with `arguments`
+    (its keywords, by name)."""
     host, port = arguments["host"], arguments["port"]
     held = [reserve(host, port)]
     signalled = None
@@ -362,7 +363,7 @@ def supervise(arguments: dict, count: int) -> None:
         before = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # the workers' (spawned: they inherit it)
         try:
-            signalled = Supervisor(arguments, count, metrics_dir).run()
+            signalled = Supervisor(serve, arguments, count, metrics_dir).run()
         finally:
             shutil.rmtree(metrics_dir, ignore_errors=True)
             if before is None:
