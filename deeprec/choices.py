@@ -9,6 +9,7 @@ BAD_ROW_POLICIES = ("raise", "skip")
 NAN_POLICIES = ("raise", "skip")
 CARDINALITIES = ("kaggle", "small")  # synthetic Criteo-layout data: Kaggle's column cardinalities or small ones
 SYNTH_KINDS = ("criteo", "behavior")  # deeprec data synth --kind
+ALLOCATORS = ("auto", "mimalloc", "system")  # deeprec serve --allocator (serving/allocator.py)
 
 __all__ = ["PROTOCOLS", "DENSE_MODES", "STORAGES", "CACHE_POLICIES", "BAD_ROW_POLICIES", "NAN_POLICIES",
-           "CARDINALITIES", "SYNTH_KINDS"]
+           "CARDINALITIES", "SYNTH_KINDS", "ALLOCATORS"]

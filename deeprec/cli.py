@@ -16,7 +16,7 @@ from importlib import resources
 from rich.console import Console
 from rich.markup import escape
 
-from deeprec.choices import BAD_ROW_POLICIES, CARDINALITIES, SYNTH_KINDS
+from deeprec.choices import ALLOCATORS, BAD_ROW_POLICIES, CARDINALITIES, SYNTH_KINDS
 from deeprec.console import LogConsole, make_console
 from deeprec.errors import ConfigError, DeepRecError
 from deeprec.models import MODELS
@@ -440,9 +440,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "batch (default 0: a batch is what queued while the previous one scored)")
     sv.add_argument("--threads", type=at_least(1), default=None, help="torch threads scoring (default: cores - 1; "
                     "with --workers N, per worker: max(1, cores // N - 1))")
-    sv.add_argument("--workers", type=at_least(1), default=1, help="processes answering on the one port (SO_REUSEPORT, "
-                    "under a supervisor that restarts one that dies); each loads the model (its tables mapped: one "
-                    "copy in memory until a delta updates a table) and follows the export dir; /metrics sums them (default 1: one process)")
+    sv.add_argument("--workers", type=at_least(1), default=1, help="processes answering on the one port "
+                    "(SO_REUSEPORT, under a supervisor that restarts one that dies); each loads the model (its tables "
+                    "mapped: one copy in memory until a delta updates a table) and follows the export dir; /metrics "
+                    "sums them (default 1: one process)")
     sv.add_argument("--watch-interval", type=positive_float, default=1.0,
                     help="seconds between looks for new deltas/full exports (MODEL_DIR a training's --export-dir)")
     sv.add_argument("--max-rows", type=at_least(1), default=8192, help="rows of one request (more: 400)")
@@ -451,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "routes (visible in ps: prefer --token-file or DEEPREC_PS_TOKEN)")
     sv.add_argument("--token-file", default=None, help="the token: this file's first line")
     sv.add_argument("--allocator", default=os.environ.get("DEEPREC_SERVE_ALLOCATOR", "auto"),
-                    choices=("auto", "mimalloc", "system"), help="the C allocator: auto (default, or "
+                    choices=ALLOCATORS, help="the C allocator: auto (default, or "
                     "$DEEPREC_SERVE_ALLOCATOR) is mimalloc where installed (5-18%% faster requests here), the "
                     "command re-executing itself with it preloaded; system: glibc's malloc")
     sv.set_defaults(func=cmd_serve)

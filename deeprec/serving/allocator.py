@@ -18,7 +18,8 @@ import os
 import sys
 import sysconfig
 
-ALLOCATORS = ("auto", "mimalloc", "system")
+from deeprec.choices import ALLOCATORS
+
 _MARK = "DEEPREC_ALLOCATOR_SET"
 
 
@@ -60,4 +61,5 @@ def run_with(allocator: str, argv: list[str]) -> None:
     preload = " ".join(p for p in (library, os.environ.get("LD_PRELOAD", "")) if p)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "deeprec", *argv], {**os.environ, "LD_PRELOAD": preload, _MARK: "1"})
+    os.execve(sys.executable, [sys.executable, "-m", "deeprec", *argv],
+              {**os.environ, "LD_PRELOAD": preload, _MARK: "1"})

@@ -27,7 +27,6 @@ import asyncio
 import functools
 import hmac
 import logging
-import socket
 import time
 
 import grpc
@@ -35,6 +34,7 @@ import grpc
 from deeprec.errors import ConfigError
 from deeprec.serving import RequestError
 from deeprec.serving import protocols as p
+from deeprec.serving.listen import bound
 from deeprec.serving.repository import Missing, NonFinite, Pending, Served, find_served
 
 try:
@@ -259,17 +259,8 @@ def _address(host: str, port: int) -> str:
 def check_address(host: str, port: int) -> None:
     """A ConfigError before serving if --host and --grpc-port cannot be listened on (in use, or an address this
     host does not have); port 0 takes any free one when the service starts."""
-    if port == 0:
-        return
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's own listener
-        sock.bind((host, port))
-    except OSError as err:
-        raise ConfigError(f"--host {host} --grpc-port {port}: cannot listen there ({err.strerror}); give another "
-                          "--grpc-port (0: any free one)") from None
-    finally:
-        sock.close()
+    if port:
+        bound(host, port, "--grpc-port").close()  # SO_REUSEADDR, as gRPC's own listener
 
 
 async def start_grpc(served: dict[str, Served], host: str, port: int, *, token: str | None = None,

@@ -45,7 +45,8 @@ def map_tensors(path: str) -> dict[str, torch.Tensor]:
             begin, end = (int(x) for x in info["data_offsets"])
             shape = tuple(int(d) for d in info["shape"])
         except (AttributeError, KeyError, TypeError, ValueError):
-            raise ValueError(f"{path}: tensor {name!r}: its header entry lacks a dtype, data_offsets or shape") from None
+            raise ValueError(f"{path}: tensor {name!r}: its header entry lacks a dtype, data_offsets or "
+                             "shape") from None
         if dtype is None or not 0 <= begin <= end <= size - start or end - begin != math.prod(shape) * dtype.itemsize:
             raise ValueError(f"{path}: tensor {name!r} ({info.get('dtype')}, {list(shape)}) does not fit the file")
         offset = start + begin

@@ -47,6 +47,7 @@ from starlette.routing import Route
 from deeprec.errors import ConfigError
 from deeprec.serving import RequestError
 from deeprec.serving import protocols as p
+from deeprec.serving.listen import bound
 from deeprec.serving.repository import (Metrics, Missing, NonFinite, Pending, Served, find_served, model_name,
                                         open_repository)
 
@@ -392,17 +393,9 @@ def serve(path: str, host: str = "127.0.0.1", port: int = 8080, max_batch: int =
                        grpc_options=grpc_options)
     if token is None and not is_loopback(f"{host}:{port}"):
         log.warning("serving on %s without a token: anyone who reaches it may predict (--token-file)", host)
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # a worker's shares the port with the other workers': the kernel spreads the connections over them
+    sock = bound(host, port, "--port", reuse_port=worker is not None)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it: no Nagle delay
-    if worker is not None:  # the kernel spreads the connections over the workers' sockets
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as err:  # in use, or an address this host does not have
-        sock.close()
-        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({err.strerror}); give another "
-                          "--port (0: any free one)") from None
     sock.listen(1024)  # connections wait in the backlog until uvicorn accepts
     print(f"listening on http://{host}:{sock.getsockname()[1]}", flush=True)
     print(f"{'models' if repository else 'model'}: {', '.join(models)}", flush=True)

@@ -185,23 +185,11 @@ def thread_budget(workers: int, threads: int | None, ncores: int) -> tuple[int, 
 def reserve(host: str, port: int, option: str = "--port") -> socket.socket:
     """A socket bound to host:port with SO_REUSEPORT, not listening: the port (0: a free one) held for
     the workers, which bind it too. A ConfigError naming `option` if it cannot be bound."""
-    from deeprec.errors import ConfigError
+    from deeprec.serving.listen import bound
 
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family)
-    try:
-        if port:  # first a plain bind: SO_REUSEPORT would join a port another server listens on with it
-            with socket.socket(family) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                probe.bind((host, port))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
-    except OSError as err:
-        sock.close()
-        raise ConfigError(f"--host {host} {option} {port}: cannot listen there ({err.strerror}); give another "
-                          f"{option} (0: any free one)") from None
-    return sock
+    if port:  # first a plain bind: SO_REUSEPORT would join a port another server listens on with it
+        bound(host, port, option).close()
+    return bound(host, port, option, reuse_port=True)
 
 
 def _how(code: int | None) -> str:
