@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib.util
 import json
 import os
 import pstats
@@ -41,14 +42,18 @@ def _keys(g: torch.Generator, batch: int) -> list[torch.Tensor]:
     return [torch.unique(torch.randint(0, 10_000_000, (batch,), generator=g) % 1_000_000) for _ in TABLES]
 
 
-def _messages(keys: list[torch.Tensor], seq: int) -> tuple[bytes, bytes]:
-    """(Push of these keys' gradients, Pull of them) as PSClient packs them for one PS."""
+def _messages(keys: list[torch.Tensor], seq: int, pulled: int | None = None) -> tuple[bytes, bytes]:
+    """(Push of these keys' gradients, Pull of them) as PSClient packs them for one PS: a push of the
+    keys of the client's last pull (seq `pulled`) sends none of them."""
     from deeprec.distributed.ps.wire import pack
 
     flat, counts = torch.cat(keys), torch.tensor([k.numel() for k in keys])
     common = {"client": "bench", "done": seq - 1, "expect": ["x", 0]}
-    push = pack({"dense": [], "embeddings": TABLES, **common, "seq": seq},
-                {"keys": flat, "counts": counts, "grads/16": torch.full((flat.numel(), DIM), 1e-3)})
+    grads = {"grads/16": torch.full((flat.numel(), DIM), 1e-3)}
+    if pulled is None:
+        push = pack({"dense": [], "embeddings": TABLES, **common, "seq": seq}, {"keys": flat, "counts": counts, **grads})
+    else:
+        push = pack({"dense": [], "embeddings": TABLES, **common, "seq": seq, "pulled": pulled}, grads)
     pull = pack({"train": True, "embeddings": TABLES, "dense": [], **common, "seq": seq + 1},
                 {"keys": flat, "counts": counts})
     return push, pull
@@ -68,9 +73,12 @@ def inproc(steps: int, batch: int, profile: bool) -> dict:
     _, first = _messages(current, 1)
     state.pull_reply(*unpack(first))
     messages = []
+    keyless = importlib.util.find_spec("deeprec.distributed.ps.pulled") is not None  # --before: an older checkout
     for step in range(steps):  # drawn and packed beforehand: the client's work, not the shard's
-        nxt = _keys(g, batch)
-        messages.append(_messages(current, 2 + 2 * step)[:1] + _messages(nxt, 2 + 2 * step)[1:])
+        nxt = _keys(g, batch)  # step s pushes with seq 2 + 2s, pulls with 3 + 2s (the first pull: 2)
+        pulled = (2 + 2 * step - 1 if step else 2) if keyless else None
+        messages.append(_messages(current, 2 + 2 * step, pulled)[:1]
+                        + _messages(nxt, 2 + 2 * step)[1:])
         current = nxt
 
     def run():

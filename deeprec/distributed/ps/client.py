@@ -51,6 +51,10 @@ class PSError(DeepRecError):
     """A parameter-server call failed; names the PS and the gRPC status."""
 
 
+class _PullGone(PSError):
+    """NOT_FOUND: the PS no longer holds the pull a keyless push refers to (the push is sent again with its keys)."""
+
+
 class PSRolledBack(PSError):
     """A PS restarted (its rows are gone) or was restored from a checkpoint since this worker last
     registered: the worker's view of the model no longer matches it (training rolls back)."""
@@ -58,6 +62,14 @@ class PSRolledBack(PSError):
     def __init__(self, message: str, ps: int):
         super().__init__(message)
         self.ps = ps
+
+
+def _same_keys(last: tuple | None, header: dict, tensors: dict) -> bool:
+    """Whether a push's keys are those of `last`, the training pull sent to its PS just before it."""
+    if last is None or header.get("embeddings") != last[1] or "keys" not in tensors or last[2] is None:
+        return False
+    keys, counts = tensors["keys"], tensors.get("counts")
+    return (keys is last[2] or torch.equal(keys, last[2])) and counts is not None and torch.equal(counts, last[3])
 
 
 def out_of_step(restored: int, own: int | None) -> str:
@@ -98,6 +110,9 @@ class PSClient:
         self.expect: list[list | None] = [None] * len(self.addresses)
         self.retries = 0  # calls that needed more than one attempt
         self._local = threading.local()
+        # per PS: (seq, embeddings, keys, counts) of the last training pull sent to it, until a push:
+        # a push of exactly those keys sends none, only that seq ("pulled"; the PS has the keys' rows)
+        self._last_pull: list[tuple | None] = [None] * len(self.addresses)
     @property
     def num_ps(self) -> int:
         return len(self.addresses)
@@ -111,16 +126,28 @@ class PSClient:
         self._local.abandon = abandon  # read by _invoke_once's retries (its signature stays 4 arguments)
         if method in ("Pull", "PushPull", "Export") and self.after_step is not None:
             header = {**header, "after_step": self.after_step}
-        seq = None
+        seq, last = None, None
         if method in ("Push", "PushPull", "Load") or (method == "Pull" and header.get("train", True)):
             with self._seq_lock:  # changes the PS: exactly once, however often it is sent
                 seq = next(self._seq)
                 self._waiting.add(seq)  # "done": the seqs below the oldest one in flight (the PS drops their replies)
                 header = {**header, "client": self.id, "seq": seq, "done": min(self._waiting) - 1}
+                if method == "Pull" and "embeddings" in header:
+                    self._last_pull[ps] = (seq, header["embeddings"], tensors.get("keys"), tensors.get("counts"))
+                elif method in ("Push", "PushPull"):  # the PS forgets the pull's rows at any push
+                    last, self._last_pull[ps] = self._last_pull[ps], None
         if method not in ("Register", "Load", "Health") and self.expect[ps] is not None:
             header = {**header, "expect": self.expect[ps]}
+        keyless = method == "Push" and _same_keys(last, header, tensors)
         try:
-            reply = self._invoke_once(method, ps, header, tensors)
+            if keyless:
+                try:
+                    reply = self._invoke_once(method, ps, {**header, "pulled": last[0]},
+                                              {k: v for k, v in tensors.items() if k not in ("keys", "counts")})
+                except _PullGone:  # refused, not run: the same request with its keys
+                    reply = self._invoke_once(method, ps, header, tensors)
+            else:
+                reply = self._invoke_once(method, ps, header, tensors)
         finally:
             if seq is not None:
                 with self._seq_lock:
@@ -168,6 +195,8 @@ class PSClient:
                 code, waited = err.code(), time.monotonic() - started
                 if code == grpc.StatusCode.FAILED_PRECONDITION:
                     raise PSRolledBack(f"{where}: {err.details()}", ps) from None
+                if code == grpc.StatusCode.NOT_FOUND and "pulled" in header:
+                    raise _PullGone(f"{where}: {err.details()}") from None
                 if code not in retried:
                     raise PSError(f"{where}: {method} failed: {code.name}: {err.details()}") from None
                 if abandon is not None and abandon.is_set():

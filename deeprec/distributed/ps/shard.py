@@ -25,6 +25,7 @@ import grpc
 import torch
 
 from deeprec.distributed.ps import security
+from deeprec.distributed.ps.pulled import PullNotHeld
 from deeprec.security import TOKEN_ENV, is_loopback, read_token
 from deeprec.distributed.ps.tuning import core_number, pin_cores, pin_current_thread
 from deeprec.distributed.ps.state import (MAX_DIM, MAX_MESSAGE, MAX_REPLY, MAX_WAIT_S, MIN_REPLY,
@@ -208,6 +209,8 @@ class PSServicer:
             context.abort(grpc.StatusCode.ABORTED, f"PS {self.state.shard_index}: {err}")
         except ResourceExhausted as err:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"PS {self.state.shard_index}: {err}")
+        except PullNotHeld as err:  # a keyless push: the client sends it again with its keys
+            context.abort(grpc.StatusCode.NOT_FOUND, f"PS {self.state.shard_index}: {err}")
         except WireError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"PS {self.state.shard_index}: {err}")
         except _DeadlineExceeded as err:

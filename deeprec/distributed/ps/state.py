@@ -8,6 +8,8 @@ Requests are `deeprec.distributed.ps.wire` messages. Rows travel fused, not per 
            request order), dense/{name} each dense variable's value
     Push   header {"embeddings", "dense", "step"?, "workers"?}
            tensors keys, counts, grads/{dim} [N_dim, dim], dense/{name} gradients
+           or, with "pulled": seq, no keys nor counts: the keys of that training pull of the
+           same client (deeprec/distributed/ps/pulled.py)
     PushPull (star_server_lite): header {"push": {...Push}, "pull": {...Pull}},
            tensors prefixed "push." and "pull."
 
@@ -16,7 +18,6 @@ servicer answers INVALID_ARGUMENT), a limit ResourceExhausted (RESOURCE_EXHAUSTE
 """
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import math
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deeprec.distributed.ps.pulled import PulledRows
 from deeprec.distributed.ps.store import DenseGroup, EmbeddingArena, load_bytes, row_bytes
 from deeprec.distributed.ps.tiered import TieredArena
 from deeprec.distributed.ps.wire import ResourceExhausted, WireError
@@ -38,7 +40,6 @@ MAX_WAIT_S = 120.0  # longest a sync step's pushes wait for the other workers'
 MAX_REPLY = 64 << 20  # default bound of an evaluation Pull's reply (larger ones are answered in chunks)
 MIN_REPLY = 64 << 10  # the smallest bound a server may set: a row of MAX_DIM fits twice
 MAX_MESSAGE = 1 << 30  # the transport's message cap (shard.GRPC_OPTIONS): a training Pull's reply must fit
-PULLED = 64  # clients whose last training pull's rows are kept for their push (the least recent forgotten)
 _REPLY_SLACK = 16 << 10  # a reply's header and alignment, beyond its tensors' bytes
 log = logging.getLogger("deeprec.ps")
 
@@ -71,10 +72,7 @@ class ShardState:
         self.generation = 0  # how many checkpoint restores this shard has taken
         self.applied_step = 0  # last step whose (sync: averaged) update is applied
         self._sync: dict[int, dict] = {}
-        # client -> (generation, [(arena, ns, keys, rows, repeated)] per part) of its last training pull:
-        # a worker pushes the keys it pulled, and an arena's rows stay put until a Load (generation),
-        # so a push of exactly those keys takes those rows instead of looking its keys up again
-        self._pulled: collections.OrderedDict[str, tuple] = collections.OrderedDict()
+        self._pulled = PulledRows()  # each client's last training pull's rows, for its push
 
     def names(self) -> list[str]:
         return sorted([*self.embeddings, *self.dense])
@@ -245,7 +243,9 @@ class ShardState:
                 parts, rows = self._first_rows(header, tensors, prefix, dense)
                 reply = {"rows": rows}
         client = header.get("client") if client is None else client
-        return train, parts, dense, reply, client if train and isinstance(client, str) else None
+        # the keys stay a view of the request unless it holds more (a PushPull's gradients)
+        pulled = (header.get("seq"), header.get("embeddings"), prefix == "")
+        return train, parts, dense, reply, client if train and isinstance(client, str) else None, pulled
 
     def _first_rows(self, header: dict, tensors: dict, prefix: str, dense: list) -> tuple[list, int]:
         """The parts of the longest prefix of the request's keys whose rows fit `max_reply` (at least one key)."""
@@ -260,50 +260,43 @@ class ShardState:
         return self._rows_request(header, {prefix + "keys": keys[:rows], prefix + "counts": cut}, prefix), rows
 
     def pull_run(self, plan: tuple) -> tuple[dict, dict]:
-        train, parts, dense, reply, client = plan
+        train, parts, dense, reply, client, (seq, names, view) = plan
         out, found = {}, {}
         for dim in dict.fromkeys(p.dim for p in parts):
             mine = [p for p in parts if p.dim == dim]
             values = torch.empty(sum(p.keys.numel() for p in mine), dim)
             for p in mine:
                 rows, repeated = p.arena.rows(p.ns, p.keys, insert=train)
-                found[id(p)] = (p.arena, p.ns, p.keys, rows, repeated)
+                found[id(p)] = (rows, repeated)
                 if p.position is None:
                     p.arena.gather(rows, out=values)
                 else:
                     values[p.position] = p.arena.gather(rows)
             out[f"values/{dim}"] = values
         out.update({f"dense/{name}": self.dense[name].view(name) for name in dense})
-        found = [found[id(p)] for p in parts]  # in the parts' order, as a push of these keys splits them
-        if client is not None and found and all(type(a) is EmbeddingArena for a, *_ in found):
-            # the keys are copied: a view would hold the whole request's bytes
-            self._pulled[client] = (self.generation, [(a, ns, keys.clone(), rows, repeated)
-                                                      for a, ns, keys, rows, repeated in found])
-            self._pulled.move_to_end(client)
-            while len(self._pulled) > PULLED:
-                self._pulled.popitem(last=False)
+        if client is not None and parts and all(type(p.arena) is EmbeddingArena for p in parts):
+            kept = parts if view else [_Part(p.arena, p.ns, p.keys.clone(), p.dim, p.position) for p in parts]
+            self._pulled.remember(client, self.generation, seq, names, kept, [found[id(p)] for p in parts])
         return reply, out
-
-    def _pulled_rows(self, client, parts: list[_Part]) -> list | None:
-        """(rows, repeated) of each part, as `client`'s last training pull found them, when this push
-        is of exactly its keys (and no Load came since); else None (the push looks its keys up)."""
-        pulled = self._pulled.pop(client, None) if isinstance(client, str) else None
-        if pulled is None or pulled[0] != self.generation or len(pulled[1]) != len(parts):
-            return None
-        for p, (arena, ns, keys, _, _) in zip(parts, pulled[1]):
-            if p.arena is not arena or not torch.equal(p.keys, keys) or not torch.equal(p.ns, ns):
-                return None
-        return [(rows, repeated) for _, _, _, rows, repeated in pulled[1]]
 
     def push(self, header: dict, tensors: dict, prefix: str = "", client: str | None = None) -> None:
         """Apply gradients now (async), or, with `workers` > 1, collect step `step`'s
         pushes and apply their average once every worker's has arrived (sync). `client` (default:
         the header's): who pushes; a push of the keys of its last training pull takes their rows."""
-        _check_fields(header, ("embeddings", "dense", "step", "workers"), "Push")
+        _check_fields(header, ("embeddings", "dense", "step", "workers", "pulled"), "Push")
         step = None if header.get("step") is None else int_field(header, "step", 0, low=0)
         workers = int_field(header, "workers", 1, low=1, high=1 << 16)
-        parts, names = self._rows_request(header, tensors, prefix), self._dense_names(header)
-        found = self._pulled_rows(header.get("client") if client is None else client, parts)
+        client = header.get("client") if client is None else client
+        names = self._dense_names(header)
+        if header.get("pulled") is not None:  # keyless: the keys of that pull of this client
+            seq = int_field(header, "pulled", 0)
+            if f"{prefix}keys" in tensors or f"{prefix}counts" in tensors:
+                raise WireError(f"Push: a push that names its pull ('pulled') carries no '{prefix}keys' or "
+                                f"'{prefix}counts'")
+            parts, found = self._pulled.keyless(client, seq, _names(header, "embeddings"), self.generation)
+        else:
+            parts = self._rows_request(header, tensors, prefix)
+            found = self._pulled.take(client, parts, self.generation)
         found = dict(zip(map(id, parts), found)) if found is not None else {}
         rows_grads = []
         for dim in dict.fromkeys(p.dim for p in parts):  # validate everything before changing anything
@@ -324,6 +317,8 @@ class ShardState:
                 raise WireError(f"'{prefix}dense/{name}' must be a float32 gradient of shape {shape}")
             _check_finite(grad, f"{prefix}dense/{name}")
             dense[name] = grad
+        if header.get("pulled") is not None:
+            self._pulled.drop(client)  # checked whole: the pull's rows are taken
         # rows are found when applied, unless the pull found them (an EmbeddingArena's rows stay put)
         updates = [(p.arena, p.ns, p.keys, g, found.get(id(p))) for p, g in rows_grads]
         if workers > 1 and step is not None:
