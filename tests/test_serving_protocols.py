@@ -300,6 +300,41 @@ def test_batcher_waits_on_no_clock():
     assert asyncio.run(reading()) == [[1.0, 2.0]]
 
 
+def test_a_batch_waits_for_as_many_requests_as_were_in_flight_together_before():
+    """gRPC's calls reach the loop a few turns apart and are unseen until decoded (no `arriving()`): a
+    batch waits, in turns of the loop up to MAX_TURNS, for as many requests as were in flight together
+    since the previous batch formed; once the company is gone, a lone client is scored at once."""
+    calls = []
+
+    class Rows:
+        def observe(self, n):
+            pass
+
+    def model(batch):
+        calls.append(batch["x"].tolist())
+        return torch.sigmoid(batch["x"])
+
+    async def run():
+        batcher = Batcher(model, Rows(), max_batch=64, max_wait_s=0.0)
+        batcher.start()
+
+        async def after(turns: int, x: float):
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            return await batcher.submit({"x": torch.tensor([x])}, 1)
+
+        await asyncio.gather(after(0, 1.0), after(0, 2.0), after(0, 3.0))  # three clients together
+        await asyncio.gather(after(0, 4.0), after(10, 5.0), after(20, 6.0))  # their next calls, turns apart
+        await after(0, 7.0)  # one client left: waited for the others (MAX_TURNS), then alone
+        await after(0, 8.0)
+        batcher.task.cancel()
+        batcher.scorer.shutdown()
+
+    asyncio.run(run())
+    assert Batcher.TURNS < 20 < Batcher.MAX_TURNS
+    assert calls == [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0], [8.0]]
+
+
 def test_a_lone_small_request_is_scored_on_the_event_loop_a_large_one_in_the_scoring_thread():
     """On the event loop only what is quick: a small lone request to a compiled CPU package."""
     threads = []

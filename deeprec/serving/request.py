@@ -73,11 +73,14 @@ def request_rows(schema, rows: dict, path: str = "$", max_rows: int | None = Non
         inputs = [c.name for c in schema.columns if c.kind not in ("label", "ignore")]
         raise RequestError(f"field {unknown[0]!r} is not a column of the model's schema (its columns: "
                            f"{', '.join(inputs)})", key(path, unknown[0]))
-    n = collections.Counter(len(v) for v in rows.values()).most_common(1)[0][0]  # the odd one out is named
-    for c in schema.columns:
-        if c.kind != "ignore" and c.name in rows and len(rows[c.name]) != n:
-            raise RequestError(f"field {c.name!r}: {len(rows[c.name])} values, other fields have {n}",
-                               key(path, c.name))
+    lengths = {len(v) for v in rows.values()}
+    n = lengths.pop()
+    if lengths:  # the odd one out is named
+        n = collections.Counter(len(v) for v in rows.values()).most_common(1)[0][0]
+        for c in schema.columns:
+            if c.kind != "ignore" and c.name in rows and len(rows[c.name]) != n:
+                raise RequestError(f"field {c.name!r}: {len(rows[c.name])} values, other fields have {n}",
+                                   key(path, c.name))
     if n == 0:
         raise RequestError("0 rows: a request needs at least one row (each field a list of one value per row)", path)
     if max_rows is not None and n > max_rows:
