@@ -463,7 +463,10 @@ def measure_grpc(server: Server, served, rows: dict, requests: int, clients: int
         checks.append(serving_grpc.check_equal(server.grpc, reqs[n][0], http, n))
     print(f"  gRPC scores equal HTTP v2's (JSON and binary answers), bit for bit, at {', '.join(map(str, HTTP_ROWS))} "
           "rows", flush=True)
-    return {"address": server.grpc, "client": serving_grpc.CLIENT, "scores_equal_http_v2": checks,
+    echo = serving_grpc.floor(server.grpc, reqs[1][:clients], 1, max(requests, 50 * clients))
+    print(f"  gRPC floor (an echo server, same client): {clients} clients x 1 row {echo['requests_per_s']:,.0f} "
+          f"requests/s, {echo['server_cpu_ms_per_request']:.2f} ms server CPU a request", flush=True)
+    return {"address": server.grpc, "client": serving_grpc.CLIENT, "scores_equal_http_v2": checks, "floor": echo,
             **{str(n): measure_load(server, "gRPC", n, clients, requests,
                                     lambda: latency_stats(serving_grpc.one_client(server.grpc, r[0], n, requests,
                                                                                   f"gRPC, {n} rows")),
@@ -829,6 +832,9 @@ def grpc_table(results: dict, clients: int) -> list[list]:
         rows.append(["compiled", "gRPC ModelInfer (raw)", n, clients, f"{many['p50_ms']:.2f}", f"{many['p99_ms']:.2f}",
                      f"{many['rows_per_s']:,.0f}", f">= {TARGETS[key]:,.0f} rows/s",
                      _mark(many["rows_per_s"] >= TARGETS[key])])
+    if "floor" in grpc:  # what gRPC itself allows here: an echo server, the same client
+        rows.append(["echo", "gRPC floor: prebuilt replies", 1, clients, "", "",
+                     f"{grpc['floor']['requests_per_s']:,.0f}", "", ""])
     return rows
 
 

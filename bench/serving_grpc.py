@@ -145,3 +145,60 @@ async def many_clients(target: str, requests: list[bytes], rows: int, total: int
     finally:
         for channel in channels:
             await channel.close()
+
+
+# The floor: a grpc.aio server (uvloop, as `deeprec serve`) in a process of its own that answers every
+# ModelInfer with the same prebuilt reply bytes (the real server's reply to the request), no model, no
+# decoding; measured with the same client. What gRPC itself costs here, client and server on 2 cores.
+_ECHO = """
+import sys, grpc, uvloop
+reply = open(sys.argv[1], "rb").read()
+async def main():
+    async def infer(request, context):
+        return reply
+    handler = grpc.method_handlers_generic_handler("inference.GRPCInferenceService",
+                                                   {"ModelInfer": grpc.unary_unary_rpc_method_handler(infer)})
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(port, flush=True)
+    await server.wait_for_termination()
+uvloop.run(main())
+"""
+
+
+def floor(target: str, requests: list[bytes], rows: int, total: int) -> dict:
+    """8 (len(requests)) clients against the echo server answering the real server's reply at `target`:
+    requests/s and the echo server's CPU per request (its process's, from /proc)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with grpc.insecure_channel(target, options=OPTIONS) as channel:
+        reply = channel.unary_unary(METHOD, request_serializer=None, response_deserializer=None)(requests[0])
+    with tempfile.NamedTemporaryFile(suffix=".bin", delete=False) as f:
+        f.write(reply)
+        path = f.name
+    echo = subprocess.Popen([sys.executable, "-c", _ECHO, path], stdout=subprocess.PIPE, text=True)
+    try:
+        address = f"127.0.0.1:{int(echo.stdout.readline())}"
+        asyncio.run(many_clients(address, requests, rows, total // 4, "echo"))  # warm
+        with open(f"/proc/{echo.pid}/stat") as f:
+            before = f.read()
+        elapsed, _, done = asyncio.run(many_clients(address, requests, rows, total, "echo"))
+        with open(f"/proc/{echo.pid}/stat") as f:
+            after = f.read()
+    finally:
+        echo.kill()
+        echo.wait()
+        os.remove(path)
+
+    def cpu(stat: str) -> float:
+        fields = stat.rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    return {"requests_per_s": done / elapsed, "server_cpu_ms_per_request": (cpu(after) - cpu(before)) / done * 1e3,
+            "requests": done, "what": "grpc.aio + uvloop answering prebuilt reply bytes (no model, no decoding), "
+                                      "the same client"}
