@@ -118,9 +118,9 @@ def test_the_client_pushes_pulled_keys_without_them_and_falls_back_to_keys(ps, m
         for i, c in enumerate(clients):
             c.pull(keys)
             if step == 2 and i == 0:  # the PS holds pull seq s; the client says s - 1: refused, resent
-                c._last_pull[0] = (c._last_pull[0][0] - 1, *c._last_pull[0][1:])
+                c._pulls._kept[0] = (c._pulls._kept[0][0] - 1, *c._pulls._kept[0][1:])
             if i == 1:
-                monkeypatch.setattr(client_module, "_same_keys", lambda *a: False)
+                monkeypatch.setattr(client_module, "same_keys", lambda *a: False)
             c.push(grads)
             monkeypatch.undo()
     pushes = [(h, t) for m, h, t in sent if m == "Push"]
@@ -144,4 +144,29 @@ def test_a_refused_keyless_push_is_not_found_over_grpc(ps):  # noqa: F811
         raise AssertionError("a keyless push with no pull was applied")
     except grpc.RpcError as err:
         assert err.code() == grpc.StatusCode.NOT_FOUND and "send the keys" in err.details(), err
+    client.close()
+
+
+def test_a_ps_that_does_not_say_it_kept_the_pull_gets_keyed_pushes_only(ps):  # noqa: F811
+    """An older PS, or tiered storage, answers a pull without "kept": every push goes with its keys, once
+    (no refused keyless call, no second send); the PS's reply says "kept" with the pull's seq otherwise."""
+    _, address, _ = ps()
+    client = PSClient([address], deadline_s=20)
+    client.register({"a": 4}, {}, optimizer="adagrad", lr=0.1)
+    sent, once = [], client._invoke_once
+
+    def forgetful(method, p, header, tensors):
+        reply = once(method, p, header, tensors)
+        sent.append((method, header, reply[0]))
+        return ({k: v for k, v in reply[0].items() if k != "kept"}, reply[1]) if method == "Pull" else reply
+
+    client._invoke_once = forgetful
+    keys = {"a": torch.arange(10)}
+    for _ in range(3):
+        client.pull(keys)
+        client.push({"a": (keys["a"], torch.ones(10, 4))})
+    pulls = [(h, r) for m, h, r in sent if m == "Pull"]
+    assert all(r.get("kept") == h["seq"] for h, r in pulls)  # the PS kept each (an arena of its own)
+    assert [m for m, _, _ in sent] == ["Pull", "Push"] * 3
+    assert not any("pulled" in h for m, h, _ in sent if m == "Push")
     client.close()

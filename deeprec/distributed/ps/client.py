@@ -25,6 +25,7 @@ import zlib
 import grpc
 import torch
 
+from deeprec.distributed.ps.keyless import LastPulls, same_keys
 from deeprec.distributed.ps.shard import GRPC_OPTIONS, SERVICE
 from deeprec.distributed.ps import security
 from deeprec.security import read_token
@@ -62,14 +63,6 @@ class PSRolledBack(PSError):
     def __init__(self, message: str, ps: int):
         super().__init__(message)
         self.ps = ps
-
-
-def _same_keys(last: tuple | None, header: dict, tensors: dict) -> bool:
-    """Whether a push's keys are those of `last`, the training pull sent to its PS just before it."""
-    if last is None or header.get("embeddings") != last[1] or "keys" not in tensors or last[2] is None:
-        return False
-    keys, counts = tensors["keys"], tensors.get("counts")
-    return (keys is last[2] or torch.equal(keys, last[2])) and counts is not None and torch.equal(counts, last[3])
 
 
 def out_of_step(restored: int, own: int | None) -> str:
@@ -110,9 +103,8 @@ class PSClient:
         self.expect: list[list | None] = [None] * len(self.addresses)
         self.retries = 0  # calls that needed more than one attempt
         self._local = threading.local()
-        # per PS: (seq, embeddings, keys, counts) of the last training pull sent to it, until a push:
-        # a push of exactly those keys sends none, only that seq ("pulled"; the PS has the keys' rows)
-        self._last_pull: list[tuple | None] = [None] * len(self.addresses)
+        self._pulls = LastPulls(len(self.addresses))  # a push of a kept pull's keys sends none (keyless.py)
+
     @property
     def num_ps(self) -> int:
         return len(self.addresses)
@@ -126,19 +118,17 @@ class PSClient:
         self._local.abandon = abandon  # read by _invoke_once's retries (its signature stays 4 arguments)
         if method in ("Pull", "PushPull", "Export") and self.after_step is not None:
             header = {**header, "after_step": self.after_step}
-        seq, last = None, None
+        seq, noted = None, None
         if method in ("Push", "PushPull", "Load") or (method == "Pull" and header.get("train", True)):
             with self._seq_lock:  # changes the PS: exactly once, however often it is sent
                 seq = next(self._seq)
                 self._waiting.add(seq)  # "done": the seqs below the oldest one in flight (the PS drops their replies)
                 header = {**header, "client": self.id, "seq": seq, "done": min(self._waiting) - 1}
-                if method == "Pull" and "embeddings" in header:
-                    self._last_pull[ps] = (seq, header["embeddings"], tensors.get("keys"), tensors.get("counts"))
-                elif method in ("Push", "PushPull"):  # the PS forgets the pull's rows at any push
-                    last, self._last_pull[ps] = self._last_pull[ps], None
+                noted = self._pulls.sent(method, ps, seq, header, tensors)
         if method not in ("Register", "Load", "Health") and self.expect[ps] is not None:
             header = {**header, "expect": self.expect[ps]}
-        keyless = method == "Push" and _same_keys(last, header, tensors)
+        last = noted if method == "Push" else None
+        keyless = same_keys(last, header, tensors)
         try:
             if keyless:
                 try:
@@ -152,6 +142,9 @@ class PSClient:
             if seq is not None:
                 with self._seq_lock:
                     self._waiting.discard(seq)
+        if method == "Pull" and noted is not None:
+            with self._seq_lock:
+                self._pulls.answered(ps, noted, reply[0])
         if method == "Pull" and "rows" in reply[0]:  # an evaluation pull past the PS's reply bound
             return self._pull_rest(ps, header, tensors, reply)
         return reply

@@ -51,8 +51,9 @@ class PulledRows:
     def keyless(self, client, seq: int, names: list, generation: int) -> tuple[list, list]:
         """(parts, (rows, repeated) of each) of pull `seq` of `client`, for a push without keys.
         Left held until `drop`: the push is checked whole before anything changes."""
-        held = self._held.get(client) if isinstance(client, str) else None
-        who = f"client {client[:8]}" if isinstance(client, str) else "a push without a client"
+        if not isinstance(client, str):
+            raise WireError("Push: a push without keys ('pulled') must name its client (the one that pulled)")
+        held, who = self._held.get(client), f"client {client[:8]}"
         if held is None or held[0] != generation or held[1] != seq:
             why = "none of its pulls" if held is None else (
                 "a Load came since" if held[0] != generation else f"its last pull is {held[1]}")

@@ -277,6 +277,7 @@ class ShardState:
         if client is not None and parts and all(type(p.arena) is EmbeddingArena for p in parts):
             kept = parts if view else [_Part(p.arena, p.ns, p.keys.clone(), p.dim, p.position) for p in parts]
             self._pulled.remember(client, self.generation, seq, names, kept, [found[id(p)] for p in parts])
+            reply = {**reply, "kept": seq}  # the client's push may name this pull instead of its keys
         return reply, out
 
     def push(self, header: dict, tensors: dict, prefix: str = "", client: str | None = None) -> None:
