@@ -29,7 +29,9 @@ ELEMENTS = lambda values: b"".join(len(v).to_bytes(4, "little") + v for v in val
 def request(rows, *, shape=None, kinds=None, drop=(), twice=False, trailing=b"", params=False,
             outputs=()):
     kinds = {"price": "FP32", "uid": "BYTES", "shop": "INT64", "history": "BYTES", **(kinds or {})}
-    blobs = {"price": np.arange(rows, dtype="<f4").tobytes(), "shop": np.arange(rows, dtype="<i8").tobytes(),
+    numpy = {"FP32": "<f4", "FP64": "<f8", "INT64": "<i8", "INT32": "<i4"}
+    blobs = {"price": np.arange(rows, dtype=numpy[kinds["price"]]).tobytes(),
+             "shop": np.arange(rows, dtype=numpy[kinds["shop"]]).tobytes(),
              "uid": ELEMENTS([f"u{i}".encode() for i in range(rows)]) + trailing,
              "history": ELEMENTS([b"1|2|3"] * rows)}
     r = pb.ModelInferRequest(model_name="m", id="7")
@@ -72,16 +74,24 @@ for r in (request(1), request(3), request(2, shape=[2, 1]), request(1, drop=("hi
     same(fast, general(r))
     taken += 1
 
+def with_contents(r):
+    r.inputs[0].contents.fp32_contents.append(1.0)
+    return r
+
+
 declined = 0
-for r, max_rows in ((request(2, kinds={"shop": "INT32"}), None),  # accepted, converted by the general reading
-                    (request(2, params=True), None), (request(1, twice=True), None),
-                    (request(2, trailing=b"x"), None), (request(5), 4), (request(2, shape=[2, 2]), None),
-                    (request(1, kinds={"price": "FP64"}), None)):
+for r, max_rows, refusal in (  # declined by the lean reading; the general one accepts (None) or refuses
+        (request(2, kinds={"shop": "INT32"}), None, None), (request(1, kinds={"price": "FP64"}), None, None),
+        (request(2, params=True), None, None), (request(1, twice=True), None, "given twice"),
+        (request(2, trailing=b"x"), None, "1 bytes after"), (request(1, trailing=b"xy"), None, "2 bytes after"),
+        (request(5), 4, "at most 4"), (request(2, shape=[2, 2]), None, "shape [2, 2]"),
+        (request(1, shape=[-1]), None, "shape [-1]"), (with_contents(request(1)), None, "both contents")):
     assert gs._plain_raw(r, model, max_rows) is None
     try:
         general(r, max_rows)
+        assert refusal is None, f"accepted, expected a refusal: {refusal}"
     except RequestError as err:
-        assert str(err)
+        assert refusal is not None and refusal in str(err), (refusal, str(err))
     declined += 1
 mixed = request(2)
 mixed.inputs[1].shape[0] = 3
@@ -98,4 +108,4 @@ print(json.dumps({"taken": taken, "declined": declined}))
 def test_plain_grpc_requests_read_leanly_as_the_general_reading_does():
     out = subprocess.run([sys.executable, "-c", CHECKS], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"taken": 5, "declined": 7}
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"taken": 5, "declined": 10}

@@ -16,8 +16,9 @@ from starlette.testclient import TestClient
 
 import deeprec as dr
 from deeprec.serving import RequestError, ServingError
-from deeprec.serving import repository
-from deeprec.serving.repository import Batcher, Pending, open_repository
+from deeprec.serving import batcher as batcher_module
+from deeprec.serving.batcher import Batcher, Pending
+from deeprec.serving.repository import open_repository
 from deeprec.serving.request import request_rows
 from deeprec.serving.server import make_app
 
@@ -303,19 +304,23 @@ def test_batcher_waits_on_no_clock():
 def test_a_batch_waits_for_as_many_requests_as_were_in_flight_together_before():
     """gRPC's calls reach the loop a few turns apart and are unseen until decoded (no `arriving()`): a
     batch waits, in turns of the loop up to MAX_TURNS, for as many requests as were in flight together
-    since the previous batch formed; once the company is gone, a lone client is scored at once."""
+    since the previous batch formed; once the company is gone, one batch waits in vain, then a lone
+    client is scored at once. Turns are counted by a ticker on the loop (no clock)."""
     calls = []
 
     class Rows:
         def observe(self, n):
             pass
 
-    def model(batch):
-        calls.append(batch["x"].tolist())
-        return torch.sigmoid(batch["x"])
+    class Model:  # a compiled CPU package: a lone small request is scored on the loop (no thread hop)
+        compiled, device = object(), torch.device("cpu")
+
+        def __call__(self, batch):
+            calls.append(batch["x"].tolist())
+            return torch.sigmoid(batch["x"])
 
     async def run():
-        batcher = Batcher(model, Rows(), max_batch=64, max_wait_s=0.0)
+        batcher = Batcher(Model(), Rows(), max_batch=64, max_wait_s=0.0)
         batcher.start()
 
         async def after(turns: int, x: float):
@@ -323,16 +328,27 @@ def test_a_batch_waits_for_as_many_requests_as_were_in_flight_together_before():
                 await asyncio.sleep(0)
             return await batcher.submit({"x": torch.tensor([x])}, 1)
 
+        async def turns_taken(request) -> int:
+            task, ticks = asyncio.ensure_future(request), 0
+            while not task.done():
+                await asyncio.sleep(0)
+                ticks += 1
+            await task
+            return ticks
+
         await asyncio.gather(after(0, 1.0), after(0, 2.0), after(0, 3.0))  # three clients together
         await asyncio.gather(after(0, 4.0), after(10, 5.0), after(20, 6.0))  # their next calls, turns apart
-        await after(0, 7.0)  # one client left: waited for the others (MAX_TURNS), then alone
-        await after(0, 8.0)
+        waited = await turns_taken(after(0, 7.0))  # one client left: it waits for the other two, in vain
+        alone = await turns_taken(after(0, 8.0))
         batcher.task.cancel()
         batcher.scorer.shutdown()
+        return waited, alone, batcher.in_flight
 
-    asyncio.run(run())
+    waited, alone, in_flight = asyncio.run(run())
     assert Batcher.TURNS < 20 < Batcher.MAX_TURNS
     assert calls == [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0], [8.0]]
+    assert waited >= Batcher.MAX_TURNS > 2 * Batcher.TURNS + 4 >= alone, (waited, alone)
+    assert in_flight == 0
 
 
 def test_a_lone_small_request_is_scored_on_the_event_loop_a_large_one_in_the_scoring_thread():
@@ -396,8 +412,8 @@ def test_a_batch_converts_once_and_a_bad_value_fails_only_its_request(dlrm, monk
         return results
 
     converted = []
-    real = repository.convert_columns
-    monkeypatch.setattr(repository, "convert_columns", lambda schema, columns, n, path="$":
+    real = batcher_module.convert_columns
+    monkeypatch.setattr(batcher_module, "convert_columns", lambda schema, columns, n, path="$":
                         converted.append(n) or real(schema, columns, n, path))
     parts = [_rows(rows, 3, 3 * i) for i in range(3)]
     results = asyncio.run(run([pending(part) for part in parts]))

@@ -36,7 +36,8 @@ from deeprec.errors import ConfigError
 from deeprec.serving import RequestError
 from deeprec.serving import protocols as p
 from deeprec.serving.listen import bound
-from deeprec.serving.repository import Missing, NonFinite, Pending, Served, find_served
+from deeprec.serving.batcher import Pending
+from deeprec.serving.repository import Missing, NonFinite, Served, find_served
 
 try:
     from deeprec.serving.proto import grpc_service_pb2 as pb
@@ -236,16 +237,14 @@ def v2_request(request: pb.ModelInferRequest, model, max_rows: int | None) -> p.
         else:
             values = _typed(tensor, path)
         inputs.add(k, name, values)
-    header = {"outputs": [{"name": o.name, "parameters": _parameters(o.parameters)} for o in request.outputs]}
-    return p.V2Request(request.id or None, inputs.columns, inputs.order,
-                       p.requested_outputs(header if request.outputs else {}, model))
+    return _read(request, model, inputs.columns, inputs.order)
 
 
 _DECLARED: dict = {}  # id(schema) -> (schema, {input: its datatype})
 
 
 def _plain_raw(request: pb.ModelInferRequest, model, max_rows: int | None) -> p.V2Request | None:
-    """The common request (tritonclient's) read in one lean pass, 0.18 -> 0.05 ms for DLRM's 39 inputs: every
+    """The common request (tritonclient's) read in one lean pass, 0.18 -> 0.07 ms for DLRM's 39 inputs: every
     input raw, of its declared datatype, shaped [rows] or [rows, 1], no parameters, none twice, within
     --max-rows. None for anything else: the general reading takes it, and names what is wrong."""
     inputs, raw = request.inputs, request.raw_input_contents
@@ -286,6 +285,11 @@ def _plain_raw(request: pb.ModelInferRequest, model, max_rows: int | None) -> p.
                 return None
             columns[name] = np.frombuffer(blob, dtype)
         order[name] = k
+    return _read(request, model, columns, order)
+
+
+def _read(request: pb.ModelInferRequest, model, columns: dict, order: dict) -> p.V2Request:
+    """The request with its inputs' values read: its id and the outputs it asks for (every one if none)."""
     header = {"outputs": [{"name": o.name, "parameters": _parameters(o.parameters)} for o in request.outputs]}
     return p.V2Request(request.id or None, columns, order, p.requested_outputs(header if request.outputs else {}, model))
 

@@ -48,8 +48,8 @@ from deeprec.errors import ConfigError
 from deeprec.serving import RequestError
 from deeprec.serving import protocols as p
 from deeprec.serving.listen import bound
-from deeprec.serving.repository import (Metrics, Missing, NonFinite, Pending, Served, find_served, model_name,
-                                        open_repository)
+from deeprec.serving.batcher import Pending
+from deeprec.serving.repository import Metrics, Missing, NonFinite, Served, find_served, model_name, open_repository
 
 MAX_BODY_BYTES = 8 << 20  # --max-body-bytes: a larger body is a 413, its rest read and dropped (_drain)
 # What a refusal (413, 401, 404) reads of the rest of the body before it answers, as nginx's lingering
