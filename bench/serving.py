@@ -7,6 +7,7 @@ the time to apply an online delta.
     python bench/serving.py --requests 200  # fewer requests per measurement
     python bench/serving.py --peer-only     # in process and the ONNX Runtime peer only (no HTTP; about a minute)
     python bench/serving.py --grpc-only     # gRPC and HTTP v2 beside it, compiled only (serving_grpc.json)
+    python bench/serving.py --grpc-only --before DIR  # and gRPC served by DIR's deeprec, rounds alternating
 
 A DLRM with EmbeddingVariables, trained briefly on the bundled Criteo sample, is exported with its
 compiled package, and a copy without it is made (the loader then scores with the traced program).
@@ -465,7 +466,8 @@ def measure_grpc(server: Server, served, rows: dict, requests: int, clients: int
           "rows", flush=True)
     echo = serving_grpc.floor(server.grpc, reqs[1][:clients], 1, max(requests, 50 * clients))
     print(f"  gRPC floor (an echo server, same client): {clients} clients x 1 row {echo['requests_per_s']:,.0f} "
-          f"requests/s, {echo['server_cpu_ms_per_request']:.2f} ms server CPU a request", flush=True)
+          f"requests/s, {echo['server_cpu_ms_per_request']:.2f} ms server CPU a request, "
+          f"{echo['client_cpu_ms_per_request']:.2f} ms the clients'", flush=True)
     return {"address": server.grpc, "client": serving_grpc.CLIENT, "scores_equal_http_v2": checks, "floor": echo,
             **{str(n): measure_load(server, "gRPC", n, clients, requests,
                                     lambda: latency_stats(serving_grpc.one_client(server.grpc, r[0], n, requests,
@@ -916,6 +918,9 @@ def serving_panels(middle, right, results: dict, clients: int, variants: tuple, 
 
 
 def main() -> None:
+    from deeprec.choices import ALLOCATORS
+    from deeprec.serving.allocator import loaded, run_with
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=300,
                         help="requests per latency measurement (throughput: clients x max(this/clients, 50))")
@@ -923,12 +928,17 @@ def main() -> None:
     parser.add_argument("--export", help="reuse this export (with its compiled CPU package) instead of training one")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled server run")
     parser.add_argument("--before", metavar="DIR", help="also serve the compiled export with another checkout's "
-                        "deeprec (its extension built), in the same run: a before/after table")
+                        "deeprec (its extension built), in the same run: a before/after table (with "
+                        "--grpc-only: gRPC's, 3 alternating rounds)")
     parser.add_argument("--peer-only", action="store_true", help="only the in-process measurement and the ONNX "
                         "Runtime peer (bench/serving_peer.py), no HTTP servers: bench/results/serving_peer.json")
     parser.add_argument("--grpc-only", action="store_true", help="only the compiled server: gRPC, and HTTP v2 (JSON, "
                         "binary) beside it (no in process, peer, traced, profile): bench/results/serving_grpc.json")
+    parser.add_argument("--allocator", default=os.environ.get("DEEPREC_SERVE_ALLOCATOR", "auto"), choices=ALLOCATORS,
+                        help="this process's C allocator, as `deeprec serve --allocator` (its default: the "
+                             "in-process rows measure what the server runs); the servers take the same")
     args = parser.parse_args()
+    run_with(args.allocator, sys.argv[1:], [os.path.abspath(__file__)])  # mimalloc: re-executes once
 
     import torch
 
@@ -942,6 +952,7 @@ def main() -> None:
     began = time.perf_counter()
     results = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "requests": args.requests,
                "clients": args.clients, "cpu": cpu_line(), "load_average_at_start": os.getloadavg(),
+               "allocator": loaded(),  # of this process: the in-process rows, the clients and the peer
                "targets": TARGETS,
                "server": {"threads": SERVER_THREADS, "max_batch": 256, "max_wait_ms": 0.0,
                           "http_parser": _module_or("httptools", "h11 (httptools not installed)"),
@@ -1063,6 +1074,10 @@ def _grpc_only(results: dict, args, path: str, served, rows: dict, folder: str, 
         took["grpc_compiled"] = time.perf_counter() - mark
     finally:
         server.stop()
+    if args.before:
+        mark = time.perf_counter()
+        results["grpc_before_after"] = grpc_before_after(path, served, rows, args.before, args.clients, folder)
+        took["grpc_before_after"] = time.perf_counter() - mark
     results["phase_seconds"] = took
     results["verdicts"] = http_verdicts(results, "compiled", args.clients, V2) + grpc_verdicts(results, args.clients)
     results["seconds"] = time.perf_counter() - began
@@ -1077,6 +1092,43 @@ def _grpc_only(results: dict, args, path: str, served, rows: dict, folder: str, 
                  fontsize=10)
     save_figure(fig, "serving_grpc")
     print(f"{results['seconds']:.0f} s in all")
+
+
+def grpc_before_after(path: str, served, rows: dict, source: str, clients: int, folder: str, rounds: int = 3) -> dict:
+    """--grpc-only --before DIR: `clients` gRPC clients at 1 and 64 rows against the compiled export served by
+    DIR's deeprec and by this one, alternating over `rounds` rounds (each a server started anew): rows/s and
+    server CPU a request, medians and ratios."""
+    from deeprec.serving.repository import model_name
+
+    name, runs = model_name(path), {}
+    reqs = {n: [serving_grpc.request_bytes(name, raw_tensors(served, rows_of(rows, n, 17 * i))) for i in range(clients)]
+            for n in HTTP_ROWS}
+    print(f"gRPC before ({source}) and after, {rounds} alternating rounds ...", flush=True)
+    for _ in range(rounds):
+        for label, src in (("before", os.path.abspath(source)), ("after", None)):
+            server = Server(path, os.path.join(folder, f"grpc_{label}.log"), source=src, name=name, grpc=True)
+            try:
+                for n, r in reqs.items():
+                    total = 400 * clients if n == 1 else 100 * clients
+                    asyncio.run(serving_grpc.many_clients(server.grpc, r, n, total // 8, f"gRPC {label}"))  # warm
+                    cpu = server.cpu_seconds()
+                    elapsed, _, done = asyncio.run(serving_grpc.many_clients(server.grpc, r, n, total, f"gRPC {label}"))
+                    runs.setdefault(label, {}).setdefault(str(n), []).append(
+                        {"rows_per_s": done * n / elapsed, "server_cpu_ms_per_request": (server.cpu_seconds() - cpu) / done * 1e3})
+            finally:
+                server.stop()
+    out = {"source": source, "commit": _commit(source), "rounds": runs, "clients": clients}
+    table_rows = []
+    for n in map(str, HTTP_ROWS):
+        med = {label: {k: statistics.median(r[k] for r in runs[label][n]) for k in runs[label][n][0]} for label in runs}
+        out[n] = {**med, "ratio_rows_per_s": med["after"]["rows_per_s"] / med["before"]["rows_per_s"]}
+        table_rows.append([n, f"{med['before']['rows_per_s']:,.0f}", f"{med['after']['rows_per_s']:,.0f}",
+                           f"{out[n]['ratio_rows_per_s']:.2f}x", f"{med['before']['server_cpu_ms_per_request']:.2f}",
+                           f"{med['after']['server_cpu_ms_per_request']:.2f}"])
+    print_table(f"gRPC, {clients} clients, before ({out['commit'][:60]}) and after, medians of {rounds} alternating "
+                f"rounds - {cpu_line()}", ["rows", "rows/s before", "after", "ratio", "server CPU ms/req before",
+                                           "after"], table_rows)
+    return out
 
 
 def _peer_only_report(results: dict, took: dict, began: float) -> None:

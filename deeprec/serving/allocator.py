@@ -38,10 +38,11 @@ def loaded() -> str:
         return "system"
 
 
-def run_with(allocator: str, argv: list[str]) -> None:
-    """Re-execute `python -m deeprec argv` with `allocator` preloaded, unless this process already runs
-    with it; never twice (a harness around deeprec.cli.main sets LD_PRELOAD and DEEPREC_ALLOCATOR_SET
-    itself to keep its process). Returns only when nothing is to be done. "auto": mimalloc where installed, else the
+def run_with(allocator: str, argv: list[str], program: list[str] | None = None) -> None:
+    """Re-execute `python -m deeprec argv` (or `python PROGRAM... argv`: bench/serving.py, which measures
+    what the server runs) with `allocator` preloaded, unless this process already runs with it; never
+    twice (a harness around deeprec.cli.main sets LD_PRELOAD and DEEPREC_ALLOCATOR_SET itself to keep its
+    process). Returns only when nothing is to be done. "auto": mimalloc where installed, else the
     system's; "mimalloc" where it is not installed, or not loaded after the re-execution: an error."""
     from deeprec.errors import ConfigError
 
@@ -61,5 +62,5 @@ def run_with(allocator: str, argv: list[str]) -> None:
     preload = " ".join(p for p in (library, os.environ.get("LD_PRELOAD", "")) if p)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "deeprec", *argv],
+    os.execve(sys.executable, [sys.executable, *(program or ["-m", "deeprec"]), *argv],
               {**os.environ, "LD_PRELOAD": preload, _MARK: "1"})
