@@ -2,7 +2,8 @@
 
 On a request of a few rows Arrow's cost is per call, not per value: about 15 us for each of a DLRM's 39
 columns (an array, a fill, a view), 0.45 ms in all for one row. Here each column is one pass over its
-few values. Only the common JSON values take this path: numbers (floats, and ints that float32 holds
+few values, and the columns of a kind share one array (numbers) or one buffer and one offsets array
+(string ids): a tensor per column cost ~5 us. Only the common JSON values take this path: numbers (floats, and ints that float32 holds
 exactly) and nulls in a number column, ints and nulls in an int id column, strings, bytes, ints and
 nulls in a string id column; numpy columns (KServe v2 binary tensors, gRPC) of floats in a number
 column, of ints in an int id column, of objects in a string id column; a column absent. Anything else
@@ -25,42 +26,70 @@ _EXACT = 1 << 24  # ints up to this convert to float32 exactly, whichever way th
 
 
 def short_batch(schema, rows: dict, n: int) -> dict | None:
-    """The raw batch of `rows` (n rows, their shape checked by request_rows), or None: not all common values."""
-    batch = {}
+    """The raw batch of `rows` (n rows, their shape checked by request_rows), or None: not all common values.
+    The number columns sent as lists become one array, the string id columns one buffer and one offsets
+    array, each column a view of them (DLRM, 1 row: 0.24 -> 0.14 ms; a tensor per column cost ~5 us)."""
+    batch, floats, strings = {}, [], []
     for c in schema.columns:
         if c.kind == "ignore":
             continue
         values = rows.get(c.name)
         if c.kind in ("label", "dense", "weight"):
+            if isinstance(values, list):
+                floats.append((c, values))
+                batch[c.name] = None  # filled below, in the columns' order
+                continue
             array = _floats(values, n, 0.0 if c.kind == "label" else np.nan)  # a label left out: 0
             if array is None:
                 return None
             batch[c.name] = number_tensor(c, array)
-        elif c.kind == "categorical":
-            column = _int_ids(values, n) if c.dtype == "int" else _string_ids(values, n)
+        elif c.kind == "categorical" and c.dtype == "int":
+            column = _int_ids(values, n)
             if column is None:
                 return None
             batch[c.name] = column
+        elif c.kind == "categorical":
+            strings.append((c, values))
+            batch[c.name] = None
         else:  # a sequence: its separator, its ids' kind: the general path
             return None
+    if floats:
+        arrays = _float_rows([values for _, values in floats], n)
+        if arrays is None:
+            return None
+        for (c, _), array in zip(floats, arrays):
+            batch[c.name] = number_tensor(c, array)
+    if strings:
+        columns = _string_columns([values for _, values in strings], n)
+        if columns is None:
+            return None
+        for (c, _), column in zip(strings, columns):
+            batch[c.name] = column
     return batch
 
 
-def _floats(values, n: int, absent: float) -> np.ndarray | None:
-    if values is None:
-        return np.full(n, absent, np.float32)
-    if isinstance(values, np.ndarray):
-        if values.dtype.kind != "f":
-            return None
-        with np.errstate(over="ignore"):
-            array = values.astype(np.float32)
-    else:
+def _float_rows(columns: list[list], n: int) -> np.ndarray | None:
+    """Number columns sent as lists: one float32 array [columns, n] (None: a value not a plain number)."""
+    flat = []
+    for values in columns:
         for v in values:
             t = type(v)
             if not (t is float or v is None or t is int and -_EXACT <= v <= _EXACT):
                 return None
-        with np.errstate(over="ignore"):  # beyond float32: inf, refused below
-            array = np.array([np.nan if v is None else v for v in values], np.float32)
+        flat += values
+    with np.errstate(over="ignore"):  # beyond float32: inf, refused below
+        array = np.array([np.nan if v is None else v for v in flat], np.float32)
+    return None if np.isinf(array).any() else array.reshape(len(columns), n)
+
+
+def _floats(values, n: int, absent: float) -> np.ndarray | None:
+    """A number column left out (all `absent`) or sent as a numpy array (KServe v2 binary, gRPC)."""
+    if values is None:
+        return np.full(n, absent, np.float32)
+    if not isinstance(values, np.ndarray) or values.dtype.kind != "f":
+        return None
+    with np.errstate(over="ignore"):
+        array = values.astype(np.float32)
     return None if np.isinf(array).any() else array  # inf, or beyond float32: refused by the general path
 
 
@@ -75,30 +104,37 @@ def _int_ids(values, n: int) -> torch.Tensor | None:
     return torch.tensor([-1 if v is None else v for v in values], dtype=torch.int64)
 
 
-def _string_ids(values, n: int) -> Ragged | None:
-    if values is None:
-        return Ragged(torch.empty(0, dtype=torch.uint8), torch.zeros(n + 1, dtype=torch.int64))
-    if isinstance(values, np.ndarray):
-        if values.dtype.kind != "O":
-            return None
-        values = values.tolist()
+def _string_columns(columns: list, n: int) -> list[Ragged] | None:
+    """String id columns (lists, numpy object arrays or None: absent, all b""): one buffer and one offsets
+    array for all, each column's Ragged a view of them (None: a value not a string, bytes, int or null)."""
     parts = []
     try:
-        for v in values:
-            t = type(v)
-            if t is str:
-                parts.append(v.encode())
-            elif v is None:
-                parts.append(b"")
-            elif t is bytes:
-                parts.append(v)
-            elif t is int:
-                parts.append(str(v).encode())
-            else:
-                return None
+        for values in columns:
+            if values is None:
+                parts += [b""] * n
+                continue
+            if isinstance(values, np.ndarray):
+                if values.dtype.kind != "O":
+                    return None
+                values = values.tolist()
+            for v in values:
+                t = type(v)
+                if t is str:
+                    parts.append(v.encode())
+                elif v is None:
+                    parts.append(b"")
+                elif t is bytes:
+                    parts.append(v)
+                elif t is int:
+                    parts.append(str(v).encode())
+                else:
+                    return None
     except UnicodeEncodeError:  # a lone surrogate: named by the general path
         return None
     joined = b"".join(parts)
+    offsets = np.zeros((len(columns), n + 1), np.int64)
+    np.cumsum(np.fromiter(map(len, parts), np.int64, len(parts)).reshape(len(columns), n), axis=1, out=offsets[:, 1:])
+    starts = [0, *itertools.accumulate(offsets[:, -1].tolist())]
     data = torch.frombuffer(bytearray(joined), dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8)
-    offsets = torch.tensor([0, *itertools.accumulate(map(len, parts))], dtype=torch.int64)
-    return Ragged(data, offsets)
+    every = torch.from_numpy(offsets)
+    return [Ragged(data[starts[k]:starts[k + 1]], every[k]) for k in range(len(columns))]
