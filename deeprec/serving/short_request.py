@@ -13,12 +13,11 @@ column, of ints in an int id column, of objects in a string id column; a column 
 """
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import torch
 
-from deeprec.data.schema import number_tensor
+from deeprec.data.schema import number_tensor, number_tensors
 from deeprec.ragged import Ragged
 
 SHORT_ROWS = 32  # up to here a column's Python loop costs less than Arrow's calls
@@ -57,8 +56,8 @@ def short_batch(schema, rows: dict, n: int) -> dict | None:
         arrays = _float_rows([values for _, values in floats], n)
         if arrays is None:
             return None
-        for (c, _), array in zip(floats, arrays):
-            batch[c.name] = number_tensor(c, array)
+        for (c, _), tensor in zip(floats, number_tensors([c for c, _ in floats], arrays)):
+            batch[c.name] = tensor
     if strings:
         columns = _string_columns([values for _, values in strings], n)
         if columns is None:
@@ -134,7 +133,6 @@ def _string_columns(columns: list, n: int) -> list[Ragged] | None:
     joined = b"".join(parts)
     offsets = np.zeros((len(columns), n + 1), np.int64)
     np.cumsum(np.fromiter(map(len, parts), np.int64, len(parts)).reshape(len(columns), n), axis=1, out=offsets[:, 1:])
-    starts = [0, *itertools.accumulate(offsets[:, -1].tolist())]
     data = torch.frombuffer(bytearray(joined), dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8)
-    every = torch.from_numpy(offsets)
-    return [Ragged(data[starts[k]:starts[k + 1]], every[k]) for k in range(len(columns))]
+    return [Ragged(values, ends) for values, ends in zip(data.split(offsets[:, -1].tolist()),
+                                                         torch.from_numpy(offsets).unbind(0))]
