@@ -22,7 +22,7 @@ def _keyless(state, names, grads, client, pulled, **extra):
     state.push({"embeddings": names, "dense": [], "client": client, "pulled": pulled, **extra}, grads)
 
 
-def test_a_keyless_push_equals_the_push_of_its_keys():
+def test_a_keyless_push_equals_a_push_whose_keys_are_looked_up():
     # two arenas of dim 2 (other lrs) and one of dim 3: parts with positions among their dim's rows
     keyless, names = _shard((2, 0.1), (3, 0.1), (2, 0.05))
     keyed, _ = _shard((2, 0.1), (3, 0.1), (2, 0.05))
@@ -35,7 +35,7 @@ def test_a_keyless_push_equals_the_push_of_its_keys():
         assert all(torch.equal(a[k], b[k]) for k in a)
         del lookups[:]
         _keyless(keyless, names, grads, "w0", 2 * step)
-        keyed.push({"embeddings": names, "dense": [], "client": "w0"}, {**request, **grads})
+        keyed.push({"embeddings": names, "dense": []}, {**request, **grads})  # no client: its keys looked up
         assert lookups == []  # the pull's rows, no lookup
         _same(keyless, keyed)
 
