@@ -101,7 +101,7 @@ class CompiledProgram:
         self.in_spec, self.out_spec = pytree.treespec_loads(in_spec), pytree.treespec_loads(out_spec)
         self.columns = list(self.in_spec.child(0).child(0).context)  # ((batch,), {}): its keys
         # outputs {name: tensor}: zipped with their names (pytree's unflatten cost ~25 us a call)
-        flat_dict = self.out_spec.type is dict and all(c.is_leaf() for c in self.out_spec.children_specs)
+        flat_dict = self.out_spec.type is dict and all(c.is_leaf() for c in self.out_spec.children())
         self.outputs = list(self.out_spec.context) if flat_dict else None
 
     def _bind(self, module: torch.nn.Module) -> None:

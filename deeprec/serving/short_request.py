@@ -20,7 +20,8 @@ import torch
 from deeprec.data.schema import number_tensor, number_tensors
 from deeprec.ragged import Ragged
 
-SHORT_ROWS = 32  # up to here a column's Python loop costs less than Arrow's calls
+SHORT_ROWS = 128  # up to here the Python pass costs less than Arrow (DLRM: 64 rows 0.31 vs 0.68 ms, 128 rows
+# 0.53 vs 0.84, 256 rows 1.08 vs 0.98)
 _EXACT = 1 << 24  # ints up to this convert to float32 exactly, whichever way they go
 
 
