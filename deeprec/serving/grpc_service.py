@@ -30,7 +30,6 @@ import logging
 import time
 
 import grpc
-import numpy as np
 
 from deeprec.errors import ConfigError
 from deeprec.serving import RequestError
@@ -268,22 +267,10 @@ def _plain_raw(request: pb.ModelInferRequest, model, max_rows: int | None) -> p.
                 return None
         elif shape[0] != rows:
             return None
-        if kind == "BYTES":
-            blob = raw[k]
-            if rows == 1 and len(blob) >= 4 and int.from_bytes(blob[:4], "little") == len(blob) - 4:
-                columns[name] = [blob[4:]]  # one element: its length, then its bytes
-                order[name] = k
-                continue
-            try:
-                columns[name] = p.binary_values(memoryview(blob), kind, rows, name, "")
-            except RequestError:
-                return None
-        else:
-            blob = raw[k]
-            dtype = _DTYPES[kind]
-            if len(blob) != rows * dtype.itemsize:
-                return None
-            columns[name] = np.frombuffer(blob, dtype)
+        try:
+            columns[name] = p.binary_values(raw[k], kind, rows, name, "")
+        except RequestError:  # the general reading names it, at its field
+            return None
         order[name] = k
     return _read(request, model, columns, order)
 
@@ -293,8 +280,6 @@ def _read(request: pb.ModelInferRequest, model, columns: dict, order: dict) -> p
     header = {"outputs": [{"name": o.name, "parameters": _parameters(o.parameters)} for o in request.outputs]}
     return p.V2Request(request.id or None, columns, order, p.requested_outputs(header if request.outputs else {}, model))
 
-
-_DTYPES = {kind: np.dtype(code) for kind, code in p._NUMPY.items()}
 
 
 def _typed(tensor, path: str) -> list:

@@ -185,6 +185,7 @@ def tf_metadata(name: str, model) -> dict:
 
 _NUMPY = {"BOOL": "?", "INT8": "i1", "INT16": "<i2", "INT32": "<i4", "INT64": "<i8", "UINT8": "u1",
           "UINT16": "<u2", "UINT32": "<u4", "UINT64": "<u8", "FP16": "<f2", "FP32": "<f4", "FP64": "<f8"}
+_DTYPES = {kind: np.dtype(code) for kind, code in _NUMPY.items()}
 _INTEGERS = ("INT64", "INT32", "INT16", "INT8", "UINT64", "UINT32", "UINT16", "UINT8")
 _ACCEPTED = {"number": ("FP32", "FP64", "FP16", *_INTEGERS), "int": _INTEGERS, "string": ("BYTES", *_INTEGERS),
              "sequence": ("BYTES",)}
@@ -337,7 +338,7 @@ def binary_values(chunk: memoryview, kind: str, count: int, name: str, path: str
     """Raw little-endian values; BYTES: each element a 4-byte little-endian length, then its bytes."""
     if kind == "BYTES":
         return _bytes_elements(chunk, count, name, path)
-    dtype = np.dtype(_NUMPY[kind])
+    dtype = _DTYPES[kind]
     if len(chunk) != count * dtype.itemsize:
         raise RequestError(f"input {name!r}: {len(chunk)} bytes of binary data, {count} {kind} values are "
                            f"{count * dtype.itemsize}", f"{path}.parameters.binary_data_size")
@@ -345,6 +346,8 @@ def binary_values(chunk: memoryview, kind: str, count: int, name: str, path: str
 
 
 def _bytes_elements(chunk: memoryview, count: int, name: str, path: str) -> list:
+    if count == 1 and len(chunk) >= 4 and int.from_bytes(chunk[:4], "little") == len(chunk) - 4:
+        return [bytes(chunk[4:])]  # one element (a 1-row request's): its length, then its bytes
     values, at = [], 0
     for i in range(count):
         if at + 4 > len(chunk) or at + 4 + (size := struct.unpack_from("<I", chunk, at)[0]) > len(chunk):
