@@ -11,7 +11,7 @@ from deeprec.distributed.ps.pulled import PullNotHeld
 from deeprec.distributed.ps.wire import WireError
 
 from test_ps_robustness import ps  # noqa: F401  (the fixture)
-from test_ps_rows import _counting_lookups, _grads, _request, _same, _shard
+from test_ps_rows import _grads, _request, _same, _shard, pulled_then_pushed
 
 
 def _pull(state, names, request, client, seq):
@@ -23,21 +23,7 @@ def _keyless(state, names, grads, client, pulled, **extra):
 
 
 def test_a_keyless_push_equals_a_push_whose_keys_are_looked_up():
-    # two arenas of dim 2 (other lrs) and one of dim 3: parts with positions among their dim's rows
-    keyless, names = _shard((2, 0.1), (3, 0.1), (2, 0.05))
-    keyed, _ = _shard((2, 0.1), (3, 0.1), (2, 0.05))
-    lookups = _counting_lookups(keyless)
-    g = torch.Generator().manual_seed(0)
-    for step in range(6):
-        request = _request(names, g)
-        grads = _grads(keyless, names, request, g)
-        a, b = _pull(keyless, names, request, "w0", 2 * step), _pull(keyed, names, request, "w0", 2 * step)
-        assert all(torch.equal(a[k], b[k]) for k in a)
-        del lookups[:]
-        _keyless(keyless, names, grads, "w0", 2 * step)
-        keyed.push({"embeddings": names, "dense": []}, {**request, **grads})  # no client: its keys looked up
-        assert lookups == []  # the pull's rows, no lookup
-        _same(keyless, keyed)
+    pulled_then_pushed(lambda shard, names, seq, request, grads: _keyless(shard, names, grads, "w0", seq))
 
 
 def test_sync_keyless_pushes_equal_keyed_ones_and_another_clients_pull_changes_nothing():

@@ -103,24 +103,32 @@ def _counting_lookups(state, calls=None):
     return calls
 
 
-def test_a_push_of_the_pulled_keys_takes_their_rows_and_equals_a_lookup():
+def pulled_then_pushed(push) -> None:
+    """Six steps of a pull and a push of its keys on one shard beside a shard that looks every key up:
+    `push(shard, names, seq, request, grads)` pushes the first's (its pull was `seq` of client w0). The
+    push takes the pull's rows (no lookup) and both shards end equal, step by step."""
     # two arenas of dim 2 (other lrs) and one of dim 3: a request's parts and their positions
     fast, names = _shard((2, 0.1), (3, 0.1), (2, 0.05))
     slow, _ = _shard((2, 0.1), (3, 0.1), (2, 0.05))
     lookups = _counting_lookups(fast)
     g = torch.Generator().manual_seed(0)
+    header = {"embeddings": names, "dense": []}
     for step in range(6):
         request = _request(names, g)
         grads = _grads(fast, names, request, g)
-        header = {"embeddings": names, "dense": []}
-        a = fast.pull({**header, "client": "w0"}, request)
+        a = fast.pull({**header, "client": "w0", "seq": step}, request)
         b = slow.pull(header, request)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         del lookups[:]
-        fast.push({**header, "client": "w0"}, {**request, **grads})
+        push(fast, names, step, request, grads)
         slow.push(header, {**request, **grads})
         assert lookups == []  # every part took its pull's rows
         _same(fast, slow)
+
+
+def test_a_push_of_the_pulled_keys_takes_their_rows_and_equals_a_lookup():
+    pulled_then_pushed(lambda shard, names, seq, request, grads: shard.push(
+        {"embeddings": names, "dense": [], "client": "w0"}, {**request, **grads}))
 
 
 def test_other_keys_another_client_or_a_load_since_are_looked_up():
