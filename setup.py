@@ -10,8 +10,11 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 setup(
     ext_modules=[CppExtension("deeprec._C", ["deeprec/csrc/feature_ops.cpp", "deeprec/csrc/bags.cpp",
                                "deeprec/csrc/key_index.cpp", "deeprec/csrc/ev_lookup.cpp", "deeprec/csrc/sparse_optim.cpp",
-                               "deeprec/csrc/ps_rows.cpp"],
+                               "deeprec/csrc/ps_rows.cpp", "deeprec/csrc/step_ops.cpp"],
                               depends=["deeprec/csrc/hashes.h", "deeprec/csrc/key_index.h"],
-                              extra_compile_args=["-O3", "-fno-math-errno", "-ffp-contract=off"])],
+                              # -fopenmp: at::parallel_for is OpenMP pragmas in ATen's headers (serial without
+                              # it); the link names libgomp.so.1, which resolves to the one torch has loaded
+                              extra_compile_args=["-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"],
+                              extra_link_args=["-fopenmp"])],
     cmdclass={"build_ext": BuildExtension},
 )

@@ -78,20 +78,25 @@ def test_learns_planted_click_model(name, synthetic):
     assert result["eval"]["auc"] > 0.7, result["eval"]
 
 
-def test_dlrm_interaction_pairs_equal_the_lower_triangle_with_its_gradient():
-    """DLRM picks the pairwise dots by index_select over the flattened [n, n] matrix (its backward an
-    index_add): the same values and gradients as indexing the strict lower triangle."""
-    from deeprec.models import DLRM
+def test_dlrm_interaction_equals_the_lower_triangle_of_bmm(real_batch, monkeypatch):
+    """DLRM's pairwise dots come from one native op (deeprec.ops.step.dot_interaction): the model's
+    logits and gradients equal those of the same model whose dots index the strict lower triangle of
+    bmm(x, x^T), to float rounding (the op sums each dot in order, MKL's bmm in its own)."""
+    import deeprec.models.dlrm as dlrm
 
-    model = DLRM()
-    n = int(round(model.pairs.numel() * 2) ** 0.5) + 1
-    rows, cols = torch.tril_indices(n, n, offset=-1)
-    vectors = torch.randn(64, n, 16, requires_grad=True)
-    twin = vectors.detach().clone().requires_grad_()
-    ours = torch.bmm(vectors, vectors.transpose(1, 2)).flatten(1).index_select(1, model.pairs)
-    plain = torch.bmm(twin, twin.transpose(1, 2))[:, rows, cols]
-    assert torch.equal(ours, plain)
-    grad = torch.randn_like(ours)
-    ours.backward(grad)
-    plain.backward(grad)
-    assert torch.equal(vectors.grad, twin.grad)
+    def plain(x):
+        rows, cols = torch.tril_indices(x.shape[1], x.shape[1], offset=-1)
+        return torch.bmm(x, x.transpose(1, 2))[:, rows, cols]
+
+    results = []
+    for interaction in (dlrm.dot_interaction, plain):
+        monkeypatch.setattr(dlrm, "dot_interaction", interaction)
+        torch.manual_seed(0)
+        model = build_model("dlrm", embedding="table")
+        out = model(real_batch)
+        out["loss"].backward()
+        results.append((out["logits"].detach(), {n: p.grad for n, p in model.named_parameters() if n.startswith("bottom")}))
+    (ours, our_grads), (theirs, their_grads) = results
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    for name, grad in our_grads.items():
+        torch.testing.assert_close(grad, their_grads[name], rtol=1e-4, atol=1e-6)

@@ -12,6 +12,7 @@ from torch import nn
 
 from deeprec.data.schema import Schema
 from deeprec.models.common import MLP
+from deeprec.ops.step import dot_interaction
 from deeprec.models.features import FeatureEmbedder, binary_head, label_columns, masked_mean
 
 
@@ -45,10 +46,6 @@ class DLRM(nn.Module):
         n_dense = len(self.embeddings.dense)
         self.bottom = MLP(n_dense, config.bottom_mlp, batch_norm=config.batch_norm) if n_dense else None
         n = len(self.embeddings.categorical) + len(self.embeddings.sequences) + (1 if n_dense else 0)
-        rows, cols = torch.tril_indices(n, n, offset=-1)
-        # the pairs' positions in the flattened [n, n] dot matrix: index_select's backward is an
-        # index_add (1.15 ms less a step at batch 512 than advanced indexing's index_put, same values)
-        self.register_buffer("pairs", rows * n + cols, persistent=False)
         width = (config.embedding_dim if n_dense else 0) + n * (n - 1) // 2
         self.top = MLP(width, config.top_mlp, out=1)
 
@@ -57,7 +54,7 @@ class DLRM(nn.Module):
         vectors = [e.categorical] + [masked_mean(e.sequences[s], e.masks[s]).unsqueeze(1) for s in e.sequences]
         dense = [] if self.bottom is None else [self.bottom(e.dense)]
         vectors = torch.cat([d.unsqueeze(1) for d in dense] + vectors, dim=1)
-        dots = torch.bmm(vectors, vectors.transpose(1, 2)).flatten(1).index_select(1, self.pairs)
+        dots = dot_interaction(vectors)  # the pairs i > j of bmm(vectors, vectors^T), in one native op
         logits = self.top(torch.cat([*dense, dots], dim=1)).squeeze(1)
         return binary_head(logits, batch, self.label_columns[0])
 

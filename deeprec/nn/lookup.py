@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from deeprec.ops.graph_op import op
+from deeprec.ops.step import gather_rows
 
 COMBINERS = ("sum", "mean", "sqrtn")
 
@@ -167,12 +168,12 @@ def assemble(rows: torch.Tensor, inverse, offsets, weights, masks: Sequence[torc
         one_each = one_each and not torch.compiler.is_compiling() and bag_offsets.device.type == "cpu"
         if one_each and bag_offsets.numel() > 1:
             one_each = bool((bag_offsets[1:] - bag_offsets[:-1]).eq(1).all())
-        if one_each:
-            flat = rows.index_select(0, bag_inverse)
+        if one_each:  # its backward reads the gradient in the [B, P, D] layout it arrives in (no copy)
+            pooled = gather_rows(rows, bag_inverse.view(num_pooled, batch)).transpose(0, 1)
         else:
             flat = torch.nn.functional.embedding_bag(bag_inverse, rows, bag_offsets, mode="sum",
                                                      per_sample_weights=weights[:ids_end], include_last_offset=True)
-        pooled = flat.view(num_pooled, batch, dim).transpose(0, 1)
+            pooled = flat.view(num_pooled, batch, dim).transpose(0, 1)
     if not masks:
         return pooled
     padded = torch.cat([rows, rows.new_zeros(1, dim)])  # row U: what padding reads

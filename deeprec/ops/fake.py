@@ -120,3 +120,24 @@ def _(keys, counts, ids, num_shards, shard, partition_mod):
 @torch.library.register_fake("deeprec::ps_finite_prefix")
 def _(t):
     return torch.library.get_ctx().new_dynamic_size()
+
+
+@torch.library.register_fake("deeprec::dot_interaction")
+def _(x):
+    n = x.shape[1]
+    return x.new_empty(x.shape[0], n * (n - 1) // 2)
+
+
+@torch.library.register_fake("deeprec::dot_interaction_backward")
+def _(grad, x):
+    return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("deeprec::gather_rows")
+def _(rows, index):
+    return rows.new_empty(*index.shape, rows.shape[1])
+
+
+@torch.library.register_fake("deeprec::gather_rows_backward")
+def _(grad, index, num_rows):
+    return grad.new_empty(num_rows, grad.shape[-1])

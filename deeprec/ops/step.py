@@ -1,0 +1,51 @@
+"""Ops of the training step that ATen runs as several generic kernels, each one native pass
+(deeprec/csrc/step_ops.cpp), differentiable, with fake kernels (torch.compile and torch.export
+capture them as ops; a compiled serving package calls the same kernel).
+
+    dot_interaction(x [B, N, D]) -> [B, N(N-1)/2]   DLRM's pairwise dots, pairs i > j in
+        torch.tril_indices(N, N, -1)'s order: what `bmm(x, x^T).flatten(1)[:, pairs]` computes,
+        without the [B, N, N] matrix, its zero-filled gradient and the scatter back
+    gather_rows(rows [U, D], index [*S]) -> [*S, D]  rows[index]; the backward sums each row's
+        gradients (index order: index_add's values) from the layout autograd hands over
+
+On the CPU the dots are summed in float32 (other dtypes are converted there and back): each is
+summed over d in order, without fused multiply-adds, so the values equal a sequential sum's
+bits on every CPU; they differ from bmm's (MKL's order) by float rounding only.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def dot_interaction(x: torch.Tensor) -> torch.Tensor:
+    """Pairwise dots of each sample's N vectors (the strictly lower triangle, row by row)."""
+    return torch.ops.deeprec.dot_interaction(x)
+
+
+def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """rows[index] ([*index.shape, D]), with a one-pass backward."""
+    return torch.ops.deeprec.gather_rows(rows, index)
+
+
+def _save_x(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _dot_interaction_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return torch.ops.deeprec.dot_interaction_backward(grad, x)
+
+
+def _save_index(ctx, inputs, output):
+    rows, index = inputs
+    ctx.num_rows = rows.shape[0]
+    ctx.save_for_backward(index)
+
+
+def _gather_rows_backward(ctx, grad):
+    (index,) = ctx.saved_tensors
+    return torch.ops.deeprec.gather_rows_backward(grad, index, ctx.num_rows), None
+
+
+torch.library.register_autograd("deeprec::dot_interaction", _dot_interaction_backward, setup_context=_save_x)
+torch.library.register_autograd("deeprec::gather_rows", _gather_rows_backward, setup_context=_save_index)

@@ -1,0 +1,124 @@
+"""The step's native ops (deeprec/csrc/step_ops.cpp): DLRM's pairwise dots and the row gather with a
+one-pass backward. Their values are checked against the sums they promise, bit for bit, and against
+the ATen compositions they replace; torch.export and torch.compile see them as ops."""
+import pytest
+import torch
+
+from deeprec.ops.step import dot_interaction, gather_rows
+
+
+def _pairs(n):
+    return torch.tril_indices(n, n, offset=-1)
+
+
+def _sequential_dots(x):
+    """out[b, p] = sum over d, in order, of x[b, i, d] * x[b, j, d]: separate multiply and add in float32."""
+    rows, cols = _pairs(x.shape[1])
+    xi, xj = x[:, rows], x[:, cols]
+    out = torch.zeros(xi.shape[:2])
+    for d in range(x.shape[2]):
+        out = out + xi[:, :, d] * xj[:, :, d]
+    return out
+
+
+def _sequential_dots_backward(grad, x):
+    """dx[b, i] = sum over j ascending of g[b, i, j] * x[b, j] (g symmetric, zero diagonal)."""
+    b, n, _ = x.shape
+    rows, cols = _pairs(n)
+    g = torch.zeros(b, n, n)
+    g[:, rows, cols] = grad
+    g[:, cols, rows] = grad
+    dx = torch.zeros_like(x)
+    for j in range(n):
+        dx = dx + g[:, :, j:j + 1] * x[:, j:j + 1, :]
+    return dx
+
+
+@pytest.mark.parametrize("n,d", [(27, 16), (2, 16), (5, 3), (40, 33), (17, 48)])
+def test_dot_interaction_is_the_ordered_sum_and_matches_bmm(n, d):
+    torch.manual_seed(n * 100 + d)
+    x = torch.randn(70, n, d, requires_grad=True)
+    out = dot_interaction(x)
+    assert out.shape == (70, n * (n - 1) // 2)
+    assert torch.equal(out, _sequential_dots(x.detach()))
+    rows, cols = _pairs(n)
+    twin = x.detach().clone().requires_grad_()
+    plain = torch.bmm(twin, twin.transpose(1, 2))[:, rows, cols]
+    torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-5)
+
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    plain.backward(grad)
+    assert torch.equal(x.grad, _sequential_dots_backward(grad, x.detach()))
+    torch.testing.assert_close(x.grad, twin.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_dot_interaction_reads_any_layout_and_keeps_the_dtype():
+    torch.manual_seed(0)
+    x = torch.randn(16, 20, 9).transpose(0, 1)  # [20, 16, 9], not contiguous
+    assert torch.equal(dot_interaction(x), _sequential_dots(x.contiguous()))
+    half = torch.randn(8, 6, 16).to(torch.bfloat16)
+    out = dot_interaction(half)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, _sequential_dots(half.float()).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"x must be \[batch, vectors, dim\]"):
+        dot_interaction(torch.randn(4, 5))
+
+
+@pytest.mark.parametrize("index_shape", [(300,), (6, 50)])
+def test_gather_rows_equals_index_select_and_its_gradient_index_add(index_shape):
+    torch.manual_seed(1)
+    rows = torch.randn(40, 16, requires_grad=True)
+    index = torch.randint(0, 40, index_shape)
+    out = gather_rows(rows, index)
+    assert out.shape == (*index_shape, 16)
+    assert torch.equal(out, rows.detach().index_select(0, index.reshape(-1)).view(*index_shape, 16))
+    # the gradient arrives as a transposed view, as autograd hands it over from [B, P, D]
+    upstream = torch.randn(*reversed(index_shape), 16).transpose(0, len(index_shape) - 1) if len(index_shape) == 2 \
+        else torch.randn(16, index_shape[0]).t()
+    out.backward(upstream)
+    expected = torch.zeros(40, 16).index_add_(0, index.reshape(-1), upstream.reshape(-1, 16))
+    assert torch.equal(rows.grad, expected)  # the same order of additions: the same bits
+
+
+def test_gather_rows_backward_refuses_an_index_out_of_range():
+    with pytest.raises(RuntimeError, match=r"index 9 out of range \[0, 5\)"):
+        torch.ops.deeprec.gather_rows_backward(torch.ones(3, 4), torch.tensor([0, 9, 1]), 5)
+
+
+class _Interaction(torch.nn.Module):
+    def forward(self, rows, index):
+        vectors = gather_rows(rows, index).transpose(0, 1)
+        return dot_interaction(vectors).sum(1)
+
+
+def test_export_and_compile_see_the_ops():
+    rows, index = torch.randn(30, 8), torch.randint(0, 30, (5, 12))
+    model = _Interaction()
+    exported = torch.export.export(model, (rows, index))
+    targets = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}
+    assert {"deeprec.gather_rows.default", "deeprec.dot_interaction.default"} <= targets
+    assert torch.equal(exported.module()(rows, index), model(rows, index))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    leaf = rows.clone().requires_grad_()
+    compiled(leaf, index).sum().backward()
+    eager = rows.clone().requires_grad_()
+    model(eager, index).sum().backward()
+    assert torch.equal(leaf.grad, eager.grad)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_ops_on_cuda_equal_the_cpu():
+    torch.manual_seed(2)
+    x = torch.randn(32, 27, 16, dtype=torch.float64)
+    cpu = dot_interaction(x.float())
+    torch.testing.assert_close(dot_interaction(x.float().cuda()).cpu(), cpu, rtol=1e-5, atol=1e-5)
+    grad = torch.randn_like(cpu)
+    torch.testing.assert_close(torch.ops.deeprec.dot_interaction_backward(grad.cuda(), x.float().cuda()).cpu(),
+                               torch.ops.deeprec.dot_interaction_backward(grad, x.float()), rtol=1e-5, atol=1e-5)
+    rows, index = torch.randn(50, 16), torch.randint(0, 50, (4, 20))
+    g = torch.randn(4, 20, 16)
+    assert torch.equal(gather_rows(rows.cuda(), index.cuda()).cpu(), gather_rows(rows, index))
+    torch.testing.assert_close(torch.ops.deeprec.gather_rows_backward(g.cuda(), index.cuda(), 50).cpu(),
+                               torch.ops.deeprec.gather_rows_backward(g, index, 50))
