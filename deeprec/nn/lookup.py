@@ -131,6 +131,18 @@ def merge_shared_tables(uniques: Sequence[torch.Tensor], inverse: torch.Tensor, 
     return tuple(table_keys), row_of[inverse], tuple(table_counts)
 
 
+_COUNTING = torch.arange(0)
+
+
+def _counting(n: int) -> torch.Tensor:
+    """arange(n) as int64, from one kept tensor (grown as needed; a replaced one stays valid)."""
+    global _COUNTING
+    counting = _COUNTING
+    if counting.numel() < n:
+        counting = _COUNTING = torch.arange(max(n, 2 * counting.numel()))
+    return counting[:n]
+
+
 def _position(offsets: torch.Tensor, i, limit) -> int:
     """offsets[i] as a Python int, declared a valid slice bound (torch.export traces it as a symbol)."""
     value = offsets[i].item()
@@ -166,8 +178,8 @@ def assemble(rows: torch.Tensor, inverse, offsets, weights, masks: Sequence[torc
 
             one_each = guard_or_false(one_each)
         one_each = one_each and not torch.compiler.is_compiling() and bag_offsets.device.type == "cpu"
-        if one_each and bag_offsets.numel() > 1:
-            one_each = bool((bag_offsets[1:] - bag_offsets[:-1]).eq(1).all())
+        if one_each and bag_offsets.numel() > 1:  # offsets 0, 1, ..., end: one comparison
+            one_each = torch.equal(bag_offsets, _counting(bag_offsets.numel()))
         if one_each:  # its backward reads the gradient in the [B, P, D] layout it arrives in (no copy)
             pooled = gather_rows(rows, bag_inverse.view(num_pooled, batch)).transpose(0, 1)
         else:
