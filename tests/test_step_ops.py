@@ -56,13 +56,13 @@ def test_dot_interaction_is_the_ordered_sum_and_matches_bmm(n, d):
 def test_dot_interaction_reads_any_layout_and_keeps_the_dtype():
     torch.manual_seed(0)
     x = torch.randn(16, 20, 9).transpose(0, 1)  # [20, 16, 9], not contiguous
-    assert torch.equal(dot_interaction(x), _sequential_dots(x.contiguous()))
+    assert torch.equal(torch.ops.deeprec.dot_interaction(x), _sequential_dots(x.contiguous()))
     half = torch.randn(8, 6, 16).to(torch.bfloat16)
-    out = dot_interaction(half)
+    out = torch.ops.deeprec.dot_interaction(half)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, _sequential_dots(half.float()).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match=r"x must be \[batch, vectors, dim\]"):
-        dot_interaction(torch.randn(4, 5))
+        torch.ops.deeprec.dot_interaction(torch.randn(4, 5))
 
 
 @pytest.mark.parametrize("index_shape", [(300,), (6, 50)])
@@ -92,19 +92,38 @@ class _Interaction(torch.nn.Module):
         return dot_interaction(vectors).sum(1)
 
 
-def test_export_and_compile_see_the_ops():
+def test_compile_sees_the_ops_and_export_holds_their_aten_form():
+    """torch.compile (training) traces the native ops with their fake kernels and backwards; an exported
+    program (serving) and evaluation hold bmm / index_select, the same values as each other."""
     rows, index = torch.randn(30, 8), torch.randint(0, 30, (5, 12))
     model = _Interaction()
     exported = torch.export.export(model, (rows, index))
     targets = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}
-    assert {"deeprec.gather_rows.default", "deeprec.dot_interaction.default"} <= targets
-    assert torch.equal(exported.module()(rows, index), model(rows, index))
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    assert not any(t.startswith("deeprec.") for t in targets) and "aten.bmm.default" in targets
+    with torch.no_grad():
+        assert torch.equal(exported.module()(rows, index), model(rows, index))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
     leaf = rows.clone().requires_grad_()
     compiled(leaf, index).sum().backward()
+    assert any("deeprec.dot_interaction" in str(n.target) for g in graphs for n in g.graph.nodes)
     eager = rows.clone().requires_grad_()
     model(eager, index).sum().backward()
     assert torch.equal(leaf.grad, eager.grad)
+
+
+def test_without_a_backward_the_dots_are_bmms():
+    torch.manual_seed(3)
+    x = torch.randn(40, 9, 16)
+    rows, cols = _pairs(9)
+    with torch.no_grad():
+        assert torch.equal(dot_interaction(x.requires_grad_()), torch.bmm(x, x.transpose(1, 2))[:, rows, cols])
+    assert torch.equal(dot_interaction(x.detach()), torch.bmm(x, x.transpose(1, 2)).detach()[:, rows, cols])
 
 
 @pytest.mark.cuda
@@ -112,8 +131,8 @@ def test_export_and_compile_see_the_ops():
 def test_ops_on_cuda_equal_the_cpu():
     torch.manual_seed(2)
     x = torch.randn(32, 27, 16, dtype=torch.float64)
-    cpu = dot_interaction(x.float())
-    torch.testing.assert_close(dot_interaction(x.float().cuda()).cpu(), cpu, rtol=1e-5, atol=1e-5)
+    cpu = torch.ops.deeprec.dot_interaction(x.float())
+    torch.testing.assert_close(torch.ops.deeprec.dot_interaction(x.float().cuda()).cpu(), cpu, rtol=1e-5, atol=1e-5)
     grad = torch.randn_like(cpu)
     torch.testing.assert_close(torch.ops.deeprec.dot_interaction_backward(grad.cuda(), x.float().cuda()).cpu(),
                                torch.ops.deeprec.dot_interaction_backward(grad, x.float()), rtol=1e-5, atol=1e-5)

@@ -1,6 +1,7 @@
 """Ops of the training step that ATen runs as several generic kernels, each one native pass
-(deeprec/csrc/step_ops.cpp), differentiable, with fake kernels (torch.compile and torch.export
-capture them as ops; a compiled serving package calls the same kernel).
+(deeprec/csrc/step_ops.cpp), differentiable, with fake kernels (torch.compile captures them as ops).
+Where no backward is made (evaluation, an exported program) each is the ATen composition it stands
+for, which inductor compiles into a serving package's own kernels.
 
     dot_interaction(x [B, N, D]) -> [B, N(N-1)/2]   DLRM's pairwise dots, pairs i > j in
         torch.tril_indices(N, N, -1)'s order: what `bmm(x, x^T).flatten(1)[:, pairs]` computes,
@@ -16,14 +17,30 @@ from __future__ import annotations
 
 import torch
 
+from deeprec.ops.graph_op import op
 
+
+@op
 def dot_interaction(x: torch.Tensor) -> torch.Tensor:
-    """Pairwise dots of each sample's N vectors (the strictly lower triangle, row by row)."""
+    """Pairwise dots of each sample's N vectors (the strictly lower triangle, row by row).
+
+    Where there is no backward to make (no grad, or an exported program: evaluation, serving) it is
+    bmm and index_select, which inductor compiles into a package's own kernels (the native op there
+    is a call through AOTInductor's proxy executor: +50 us a DLRM request at 1 row): evaluation and
+    the export score alike, bit for bit; a training forward differs from them by float rounding."""
+    if torch.compiler.is_exporting() or not (torch.is_grad_enabled() and x.requires_grad):
+        n = x.shape[1]
+        pairs, within = torch.tril_indices(n, n, offset=-1, device=x.device)
+        return torch.bmm(x, x.transpose(1, 2)).flatten(1).index_select(1, pairs * n + within)
     return torch.ops.deeprec.dot_interaction(x)
 
 
 def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """rows[index] ([*index.shape, D]), with a one-pass backward."""
+    """rows[index] ([*index.shape, D]), with a one-pass backward. An exported program (serving: no
+    backward) holds index_select, the same values, which inductor compiles into the package's own
+    kernels where a custom op would be a call through AOTInductor's proxy executor."""
+    if torch.compiler.is_exporting():
+        return rows.index_select(0, index.reshape(-1)).view(*index.shape, rows.shape[1])
     return torch.ops.deeprec.gather_rows(rows, index)
 
 
