@@ -30,6 +30,7 @@ from deeprec import optim
 from deeprec.data import KAGGLE_CARDINALITIES, CriteoReader
 from deeprec.models import build_model
 from deeprec.nn import EmbeddingCollection, EmbeddingFeature, EmbeddingVariable
+from deeprec.ops.step import dot_interaction
 
 
 def _median_ms(run, repeats: int) -> float:
@@ -132,7 +133,7 @@ class TorchRecDLRM(torch.nn.Module):
         d = self.dlrm
         bottom = d.bottom(dense)
         v = torch.cat([bottom.unsqueeze(1), emb], dim=1)
-        dots = torch.bmm(v, v.transpose(1, 2)).flatten(1).index_select(1, d.pairs)
+        dots = dot_interaction(v)  # our DLRM's interaction
         logits = d.top(torch.cat([bottom, dots], dim=1)).squeeze(1)
         return {"loss": torch.nn.functional.binary_cross_entropy_with_logits(logits, label)}
 

@@ -2,7 +2,8 @@
 
     probe     the GEMMs one training step runs (aten mm / addmm / bmm with their shapes and
               strides, recorded from a real step at batch 512), replayed alone, fp32 and bf16:
-              what the step's matrix work costs on this CPU with nothing around it
+              what the step's matrix work costs on this CPU with nothing around it; measured again
+              in each round beside that round's steps (the fraction is each round's, median)
     step      forward + backward + update on staged batches (no reading or parsing), per model
               and variant (eager fp32, torch.compile, bf16 autocast): samples/s, GEMM GFLOP/s
               (torch.utils.flop_counter) and the fraction of the probe's rate that is
@@ -120,6 +121,8 @@ def step_rate(name: str, data: str, options: dict, steps: int) -> float:
 def _part(event_name: str) -> str:
     if event_name in ("aten::mm", "aten::addmm", "aten::bmm"):
         return "GEMMs (mm, addmm, bmm)"
+    if event_name.startswith(("deeprec::dot_interaction", "deeprec::gather_rows")):
+        return "step ops (deeprec: DLRM's dots, the pooled rows' gather)"
     if event_name.startswith("deeprec::"):
         return "embeddings (deeprec ops: lookup, row-sparse update)"
     if "fused_adagrad" in event_name or "foreach" in event_name:
@@ -172,28 +175,42 @@ def main() -> None:
     models, variants = args.models.split(","), args.variants.split(",")
 
     result = {"cpu": cpu_line(), "batch": BATCH, "models": {}}
+    calls = {}
     for name in models:
-        calls, flops = gemm_calls(name, data)
-        fp32, bf16 = probe(calls, torch.float32), probe(calls, torch.bfloat16)
-        result["models"][name] = {"gflop_per_step": flops / 1e9, "gemms_per_step": len(calls),
-                                  "probe_fp32": fp32, "probe_bf16": bf16, "samples_per_s": {v: [] for v in variants}}
+        calls[name], flops = gemm_calls(name, data)
+        result["models"][name] = {"gflop_per_step": flops / 1e9, "gemms_per_step": len(calls[name]),
+                                  "probe_rounds": [], "samples_per_s": {v: [] for v in variants},
+                                  "fraction_rounds": {v: [] for v in variants}}
+    # the probe runs again in every round, just before that round's steps: this VM's speed drifts by
+    # 10-30% over minutes, so a step is compared with the GEMMs measured beside it
     for _ in range(args.rounds):
-        for name, variant in itertools.product(models, variants):
-            rate = step_rate(name, data, VARIANTS[variant], args.steps)
-            result["models"][name]["samples_per_s"][variant].append(rate)
+        for name in models:
+            r = result["models"][name]
+            r["probe_rounds"].append({"fp32": probe(calls[name], torch.float32), "bf16": probe(calls[name], torch.bfloat16)})
+            for variant in variants:
+                rate = step_rate(name, data, VARIANTS[variant], args.steps)
+                r["samples_per_s"][variant].append(rate)
+                r["fraction_rounds"][variant].append(rate / BATCH * r["gflop_per_step"]
+                                                     / r["probe_rounds"][-1]["fp32"]["gflop_per_s"])
 
     rows = []
     for name, r in result["models"].items():
+        for kind in ("fp32", "bf16"):  # medians over the rounds
+            rates = [p[kind]["gflop_per_s"] for p in r["probe_rounds"]]
+            seconds = [p[kind]["seconds_per_step"] for p in r["probe_rounds"]]
+            r[f"probe_{kind}"] = {"gflop_per_s": statistics.median(rates), "seconds_per_step": statistics.median(seconds),
+                                  "gflop_per_s_rounds": rates}
         r["median"] = {v: statistics.median(rates) for v, rates in r["samples_per_s"].items()}
         for variant, rate in r["median"].items():
             gflops = rate / BATCH * r["gflop_per_step"]
             probe_rate = r["probe_bf16" if variant.startswith("bf16") else "probe_fp32"]["gflop_per_s"]
-            fp32_probe = r["probe_fp32"]["gflop_per_s"]
-            r.setdefault("fraction_of_fp32_probe", {})[variant] = gflops / fp32_probe
-            rows.append([name, variant, f"{rate:,.0f}", f"{gflops:.1f}", f"{gflops / fp32_probe:.2f}",
+            fraction = statistics.median(r["fraction_rounds"][variant])  # each round's step over its own probe
+            r.setdefault("fraction_of_fp32_probe", {})[variant] = fraction
+            rows.append([name, variant, f"{rate:,.0f}", f"{gflops:.1f}", f"{fraction:.2f}",
                          f"{probe_rate:.1f}", " ".join(f"{x:,.0f}" for x in r["samples_per_s"][variant])])
     print_table(f"The training step at batch {BATCH}, staged batches, Adagrad ({cpu_line()})",
-                ["model", "variant", "samples/s", "GEMM GFLOP/s", "of fp32 probe", "probe GFLOP/s", "per round"], rows)
+                ["model", "variant", "samples/s", "GEMM GFLOP/s", "of fp32 probe (per round, median)", "probe GFLOP/s",
+                 "per round"], rows)
     print_table("GEMM probe: the step's own GEMMs replayed alone",
                 ["model", "GFLOP/step", "GEMMs", "fp32 GFLOP/s", "bf16 GFLOP/s", "fp32 ms", "bf16 ms"],
                 [[n, f"{r['gflop_per_step']:.3f}", r["gemms_per_step"], f"{r['probe_fp32']['gflop_per_s']:.1f}",

@@ -61,6 +61,9 @@ def test_dot_interaction_reads_any_layout_and_keeps_the_dtype():
     out = torch.ops.deeprec.dot_interaction(half)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, _sequential_dots(half.float()).to(torch.bfloat16))
+    wide = torch.randn(6, 7, 5, dtype=torch.float64)  # float64: ATen's bmm, in float64
+    rows, cols = _pairs(7)
+    assert torch.equal(torch.ops.deeprec.dot_interaction(wide), torch.bmm(wide, wide.transpose(1, 2))[:, rows, cols])
     with pytest.raises(RuntimeError, match=r"x must be \[batch, vectors, dim\]"):
         torch.ops.deeprec.dot_interaction(torch.randn(4, 5))
 
@@ -102,16 +105,16 @@ def test_compile_sees_the_ops_and_export_holds_their_aten_form():
     assert not any(t.startswith("deeprec.") for t in targets) and "aten.bmm.default" in targets
     with torch.no_grad():
         assert torch.equal(exported.module()(rows, index), model(rows, index))
-    graphs = []
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
 
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
+    backend = AotEagerAndRecordGraphs()  # AOTAutograd: the forward and backward graphs, fake kernels run
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     leaf = rows.clone().requires_grad_()
     compiled(leaf, index).sum().backward()
-    assert any("deeprec.dot_interaction" in str(n.target) for g in graphs for n in g.graph.nodes)
+    forward = {str(n.target) for g in backend.fw_graphs for n in g.graph.nodes}
+    backward = {str(n.target) for g in backend.bw_graphs for n in g.graph.nodes}
+    assert {"deeprec.dot_interaction.default", "deeprec.gather_rows.default"} <= forward
+    assert {"deeprec.dot_interaction_backward.default", "deeprec.gather_rows_backward.default"} <= backward
     eager = rows.clone().requires_grad_()
     model(eager, index).sum().backward()
     assert torch.equal(leaf.grad, eager.grad)
@@ -136,6 +139,12 @@ def test_ops_on_cuda_equal_the_cpu():
     grad = torch.randn_like(cpu)
     torch.testing.assert_close(torch.ops.deeprec.dot_interaction_backward(grad.cuda(), x.float().cuda()).cpu(),
                                torch.ops.deeprec.dot_interaction_backward(grad, x.float()), rtol=1e-5, atol=1e-5)
+    vectors = torch.randn(8, 5, 16, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # autocast applies to the bmm, as without the op
+        dots = dot_interaction(vectors)
+    assert dots.dtype == torch.bfloat16
+    dots.float().sum().backward()
+    assert vectors.grad.dtype == torch.float32
     rows, index = torch.randn(50, 16), torch.randint(0, 50, (4, 20))
     g = torch.randn(4, 20, 16)
     assert torch.equal(gather_rows(rows.cuda(), index.cuda()).cpu(), gather_rows(rows, index))

@@ -12,9 +12,10 @@
 //       the sum of each row's gradients, in index order (index_add's order: the same values),
 //       read in the layout autograd hands over (a transposed view), so nothing is copied first.
 //
-// CPU: in float32 (other dtypes converted there and back), each sample's dots summed over d ascending with no fused multiply-add (the
-// build's -ffp-contract=off), so every ISA clone below computes the same bits. Vectorized across
-// independent outputs only. CUDA and other dtypes: the same math as ATen ops.
+// CPU, float32 / bf16 / half: summed in float32 (converted there and back), each sample's dots over d
+// ascending with no fused multiply-add (the build's -ffp-contract=off), so every ISA clone below
+// computes the same bits; vectorized across independent outputs only. CUDA and other dtypes (float64):
+// the same math as ATen ops, in the input's dtype, with autocast off inside the op.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -37,34 +38,35 @@ typedef float v16u __attribute__((vector_size(64), aligned(4)));  // an unaligne
 constexpr int64_t kLanes = 16;
 constexpr int64_t kRows = 4;  // rows a pass: independent sums that hide the add's latency
 
-inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
-inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
+// always inlined into the ISA clones (a 64-byte vector passed across a call changes ABI by target)
+__attribute__((always_inline)) inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+__attribute__((always_inline)) inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
 
-// One sample's pairs. xt is x[b] transposed and zero-padded to [D, np] (np a multiple of kLanes, at
-// least n + kRows): rows i..i+3 meet 16 columns j at once, each dot summed over d in order. Only the
-// blocks holding some j < i are computed; gram is [np, np] scratch.
-DEEPREC_CLONES void sample_dots(const float* __restrict xt, int64_t n, int64_t np, int64_t d,
+// One sample's pairs. xt is x[b] transposed and zero-padded to [D, padded] (padded: a multiple of
+// kLanes, at least n + kRows), so rows i..i+3 meet 16 columns j at once, each dot summed over d in
+// order. Only the blocks holding some j < i are computed; gram is [padded, padded] scratch.
+DEEPREC_CLONES void sample_dots(const float* __restrict xt, int64_t n, int64_t padded, int64_t d,
                                 float* __restrict out, float* __restrict gram) {
   for (int64_t i0 = 0; i0 < n; i0 += kRows) {
     for (int64_t jb = 0; jb < i0 + kRows - 1; jb += kLanes) {
       v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
       for (int64_t k = 0; k < d; ++k) {
-        const float* row = xt + k * np;
+        const float* row = xt + k * padded;
         const v16 c = load(row + jb);
         a0 += row[i0] * c;
         a1 += row[i0 + 1] * c;
         a2 += row[i0 + 2] * c;
         a3 += row[i0 + 3] * c;
       }
-      store(gram + i0 * np + jb, a0);
-      store(gram + (i0 + 1) * np + jb, a1);
-      store(gram + (i0 + 2) * np + jb, a2);
-      store(gram + (i0 + 3) * np + jb, a3);
+      store(gram + i0 * padded + jb, a0);
+      store(gram + (i0 + 1) * padded + jb, a1);
+      store(gram + (i0 + 2) * padded + jb, a2);
+      store(gram + (i0 + 3) * padded + jb, a3);
     }
   }
   int64_t p = 0;
   for (int64_t i = 1; i < n; ++i)
-    for (int64_t j = 0; j < i; ++j) out[p++] = gram[i * np + j];
+    for (int64_t j = 0; j < i; ++j) out[p++] = gram[i * padded + j];
 }
 
 // One sample's gradient: g is the symmetric [n + kRows, n] matrix of the pairs' gradients (zero
@@ -98,7 +100,7 @@ DEEPREC_CLONES void sample_dots_backward(const float* __restrict g, const float*
   }
 }
 
-at::Tensor pair_index(int64_t n, const at::TensorOptions& options) {
+at::Tensor pair_index(int64_t n, const at::TensorOptions& options) {  // positions in the flat [n, n]
   at::Tensor rc = at::tril_indices(n, n, -1, options.dtype(at::kLong));
   return rc[0] * n + rc[1];
 }
@@ -107,24 +109,31 @@ void check_x(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 3, "dot_interaction: x must be [batch, vectors, dim], got shape ", x.sizes());
 }
 
+// The native kernels: CPU tensors of a float type summed well in float32.
+bool native(const at::Tensor& x) {
+  const auto t = x.scalar_type();
+  return x.device().is_cpu() && (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf);
+}
+
 at::Tensor dot_interaction(const at::Tensor& x_in) {
   check_x(x_in);
   const int64_t b = x_in.size(0), n = x_in.size(1), d = x_in.size(2), pairs = n * (n - 1) / 2;
-  if (!x_in.device().is_cpu()) {
+  if (!native(x_in)) {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);  // x's dtype, as declared
     return at::bmm(x_in, x_in.transpose(1, 2)).flatten(1).index_select(1, pair_index(n, x_in.options()));
   }
   const at::Tensor x = x_in.to(at::kFloat).contiguous();  // bf16 / half: summed in float32
   at::Tensor out = at::empty({b, pairs}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t np = (n + kRows + kLanes - 1) / kLanes * kLanes;
+  const int64_t padded = (n + kRows + kLanes - 1) / kLanes * kLanes;
   at::parallel_for(0, b, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> xt(d * np, 0.f), gram(np * np);
+    std::vector<float> xt(d * padded, 0.f), gram(padded * padded);
     for (int64_t s = begin; s < end; ++s) {
       const float* xs = xp + s * n * d;
       for (int64_t i = 0; i < n; ++i)
-        for (int64_t k = 0; k < d; ++k) xt[k * np + i] = xs[i * d + k];
-      sample_dots(xt.data(), n, np, d, op + s * pairs, gram.data());
+        for (int64_t k = 0; k < d; ++k) xt[k * padded + i] = xs[i * d + k];
+      sample_dots(xt.data(), n, padded, d, op + s * pairs, gram.data());
     }
   });
   return out.to(x_in.scalar_type());
@@ -135,12 +144,14 @@ at::Tensor dot_interaction_backward(const at::Tensor& grad_in, const at::Tensor&
   const int64_t b = x_in.size(0), n = x_in.size(1), d = x_in.size(2), pairs = n * (n - 1) / 2;
   TORCH_CHECK(grad_in.dim() == 2 && grad_in.size(0) == b && grad_in.size(1) == pairs,
               "dot_interaction_backward: grad must be [", b, ", ", pairs, "], got ", grad_in.sizes());
-  if (!x_in.device().is_cpu()) {
-    // the pairs' gradients placed in a symmetric [B, N, N] matrix, one bmm
-    at::Tensor g = at::zeros({b, n * n}, grad_in.options());
-    at::Tensor rc = at::tril_indices(n, n, -1, grad_in.options().dtype(at::kLong));
-    g.index_copy_(1, rc[0] * n + rc[1], grad_in);
-    g.index_copy_(1, rc[1] * n + rc[0], grad_in);
+  if (!native(x_in)) {
+    // the pairs' gradients placed in a symmetric [B, N, N] matrix, one bmm, in x's dtype
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const at::Tensor grad = grad_in.to(x_in.scalar_type());
+    at::Tensor g = at::zeros({b, n * n}, x_in.options());
+    at::Tensor rc = at::tril_indices(n, n, -1, x_in.options().dtype(at::kLong));
+    g.index_copy_(1, rc[0] * n + rc[1], grad);
+    g.index_copy_(1, rc[1] * n + rc[0], grad);
     return at::bmm(g.view({b, n, n}), x_in);
   }
   const at::Tensor x = x_in.to(at::kFloat).contiguous(), grad = grad_in.to(at::kFloat).contiguous();
@@ -186,12 +197,12 @@ DEEPREC_CLONES void add_rows(const float* __restrict grad, const int64_t* __rest
 }
 
 at::Tensor gather_rows_backward(const at::Tensor& grad, const at::Tensor& index_in, int64_t num_rows) {
-  const int64_t d = grad.size(-1);
   TORCH_CHECK(grad.dim() == index_in.dim() + 1 && grad.sizes().slice(0, index_in.dim()) == index_in.sizes(),
               "gather_rows_backward: grad ", grad.sizes(), " does not match index ", index_in.sizes());
+  const int64_t d = grad.size(-1);
   at::Tensor out = at::zeros({num_rows, d}, grad.options());
   if (!grad.device().is_cpu() || grad.scalar_type() != at::kFloat || index_in.dim() > 2 || grad.numel() == 0) {
-    return out.index_add_(0, index_in.reshape(-1), grad.reshape({-1, d}));
+    return out.index_add_(0, index_in.reshape(-1), grad.reshape({index_in.numel(), d}));
   }
   const at::Tensor index = index_in.contiguous();
   const int64_t* ip = index.data_ptr<int64_t>();
@@ -213,7 +224,7 @@ TORCH_LIBRARY_FRAGMENT(deeprec, m) {
   m.def("dot_interaction(Tensor x) -> Tensor");
   m.def("dot_interaction_backward(Tensor grad, Tensor x) -> Tensor");
   m.def("gather_rows(Tensor rows, Tensor index) -> Tensor");
-  m.def("gather_rows_backward(Tensor grad, Tensor index, int num_rows) -> Tensor");
+  m.def("gather_rows_backward(Tensor grad, Tensor index, SymInt num_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deeprec, CPU, m) {

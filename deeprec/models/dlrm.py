@@ -12,8 +12,8 @@ from torch import nn
 
 from deeprec.data.schema import Schema
 from deeprec.models.common import MLP
-from deeprec.ops.step import dot_interaction
 from deeprec.models.features import FeatureEmbedder, binary_head, label_columns, masked_mean
+from deeprec.ops.step import dot_interaction
 
 
 @dataclass

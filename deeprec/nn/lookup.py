@@ -131,7 +131,7 @@ def merge_shared_tables(uniques: Sequence[torch.Tensor], inverse: torch.Tensor, 
     return tuple(table_keys), row_of[inverse], tuple(table_counts)
 
 
-_COUNTING = torch.arange(0)
+_COUNTING = torch.arange(0, dtype=torch.long, device="cpu")
 
 
 def _counting(n: int) -> torch.Tensor:
@@ -139,7 +139,7 @@ def _counting(n: int) -> torch.Tensor:
     global _COUNTING
     counting = _COUNTING
     if counting.numel() < n:
-        counting = _COUNTING = torch.arange(max(n, 2 * counting.numel()))
+        counting = _COUNTING = torch.arange(max(n, 2 * counting.numel()), dtype=torch.long, device="cpu")
     return counting[:n]
 
 

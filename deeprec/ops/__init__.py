@@ -28,6 +28,7 @@ except ImportError as err:  # pragma: no cover - an install that skipped the C++
                       "or `pip install --no-build-isolation -e .` in an environment that has torch") from err
 from deeprec.errors import ConfigError, check_choice
 from deeprec.ops import fake  # noqa: F401  - fake kernels for torch.compile / torch.export
+from deeprec.ops import step  # noqa: F401  - the step ops' autograd formulas
 from deeprec.ops.graph_op import is_op, is_stateful_op, op
 from deeprec.ragged import Ragged
 

@@ -24,11 +24,13 @@ from deeprec.ops.graph_op import op
 def dot_interaction(x: torch.Tensor) -> torch.Tensor:
     """Pairwise dots of each sample's N vectors (the strictly lower triangle, row by row).
 
-    Where there is no backward to make (no grad, or an exported program: evaluation, serving) it is
-    bmm and index_select, which inductor compiles into a package's own kernels (the native op there
-    is a call through AOTInductor's proxy executor: +50 us a DLRM request at 1 row): evaluation and
-    the export score alike, bit for bit; a training forward differs from them by float rounding."""
-    if torch.compiler.is_exporting() or not (torch.is_grad_enabled() and x.requires_grad):
+    The native op runs where a backward is made on the CPU. Elsewhere it is bmm and index_select:
+    without grad or in an exported program (evaluation, serving: inductor compiles them into a
+    package's own kernels, where the native op is a call through AOTInductor's proxy executor, +50 us
+    a DLRM request at 1 row), and on a GPU (under autocast, in its dtype). So evaluation under no_grad
+    and the export score alike, bit for bit; a training forward differs from them by float rounding,
+    and under bf16 autocast by more: its dots are float32 sums, evaluation's bf16 bmm."""
+    if x.device.type != "cpu" or torch.compiler.is_exporting() or not (torch.is_grad_enabled() and x.requires_grad):
         n = x.shape[1]
         pairs, within = torch.tril_indices(n, n, offset=-1, device=x.device)
         return torch.bmm(x, x.transpose(1, 2)).flatten(1).index_select(1, pairs * n + within)
