@@ -61,9 +61,11 @@ def test_dot_interaction_reads_any_layout_and_keeps_the_dtype():
     out = torch.ops.deeprec.dot_interaction(half)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, _sequential_dots(half.float()).to(torch.bfloat16))
-    wide = torch.randn(6, 7, 5, dtype=torch.float64)  # float64: ATen's bmm, in float64
+    wide = torch.randn(6, 7, 5, dtype=torch.float64, requires_grad=True)  # float64: bmm, in float64
     rows, cols = _pairs(7)
-    assert torch.equal(torch.ops.deeprec.dot_interaction(wide), torch.bmm(wide, wide.transpose(1, 2))[:, rows, cols])
+    assert torch.equal(dot_interaction(wide), torch.bmm(wide, wide.transpose(1, 2))[:, rows, cols])
+    with pytest.raises(RuntimeError, match=r"x must be float32, bfloat16 or float16"):
+        torch.ops.deeprec.dot_interaction(wide.detach())
     with pytest.raises(RuntimeError, match=r"x must be \[batch, vectors, dim\]"):
         torch.ops.deeprec.dot_interaction(torch.randn(4, 5))
 
@@ -134,11 +136,13 @@ def test_without_a_backward_the_dots_are_bmms():
 def test_ops_on_cuda_equal_the_cpu():
     torch.manual_seed(2)
     x = torch.randn(32, 27, 16, dtype=torch.float64)
-    cpu = torch.ops.deeprec.dot_interaction(x.float())
-    torch.testing.assert_close(torch.ops.deeprec.dot_interaction(x.float().cuda()).cpu(), cpu, rtol=1e-5, atol=1e-5)
+    on_cpu, on_gpu = x.float().requires_grad_(), x.float().cuda().requires_grad_()
+    cpu, gpu = dot_interaction(on_cpu), dot_interaction(on_gpu)  # the native op; bmm on the GPU
+    torch.testing.assert_close(gpu.detach().cpu(), cpu.detach(), rtol=1e-5, atol=1e-5)
     grad = torch.randn_like(cpu)
-    torch.testing.assert_close(torch.ops.deeprec.dot_interaction_backward(grad.cuda(), x.float().cuda()).cpu(),
-                               torch.ops.deeprec.dot_interaction_backward(grad, x.float()), rtol=1e-5, atol=1e-5)
+    cpu.backward(grad)
+    gpu.backward(grad.cuda())
+    torch.testing.assert_close(on_gpu.grad.cpu(), on_cpu.grad, rtol=1e-5, atol=1e-5)
     vectors = torch.randn(8, 5, 16, device="cuda", requires_grad=True)
     with torch.autocast("cuda", dtype=torch.bfloat16):  # autocast applies to the bmm, as without the op
         dots = dot_interaction(vectors)

@@ -12,10 +12,11 @@
 //       the sum of each row's gradients, in index order (index_add's order: the same values),
 //       read in the layout autograd hands over (a transposed view), so nothing is copied first.
 //
-// CPU, float32 / bf16 / half: summed in float32 (converted there and back), each sample's dots over d
-// ascending with no fused multiply-add (the build's -ffp-contract=off), so every ISA clone below
-// computes the same bits; vectorized across independent outputs only. CUDA and other dtypes (float64):
-// the same math as ATen ops, in the input's dtype, with autocast off inside the op.
+// dot_interaction: CPU tensors of float32 / bf16 / half, summed in float32 (converted there and back),
+// each sample's dots over d ascending with no fused multiply-add (the build's -ffp-contract=off), so
+// every ISA clone below computes the same bits; vectorized across independent outputs only. Other
+// devices and dtypes take the ATen composition in deeprec/ops/step.py (under autocast, as any bmm).
+// gather_rows: any device; its backward's one loop on CPU float32, index_add elsewhere.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -100,28 +101,17 @@ DEEPREC_CLONES void sample_dots_backward(const float* __restrict g, const float*
   }
 }
 
-at::Tensor pair_index(int64_t n, const at::TensorOptions& options) {  // positions in the flat [n, n]
-  at::Tensor rc = at::tril_indices(n, n, -1, options.dtype(at::kLong));
-  return rc[0] * n + rc[1];
-}
-
 void check_x(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 3, "dot_interaction: x must be [batch, vectors, dim], got shape ", x.sizes());
-}
-
-// The native kernels: CPU tensors of a float type summed well in float32.
-bool native(const at::Tensor& x) {
   const auto t = x.scalar_type();
-  return x.device().is_cpu() && (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf);
+  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf,
+              "dot_interaction: x must be float32, bfloat16 or float16 (summed in float32), got ", t,
+              "; deeprec.ops.step.dot_interaction takes bmm for the others");
 }
 
 at::Tensor dot_interaction(const at::Tensor& x_in) {
   check_x(x_in);
   const int64_t b = x_in.size(0), n = x_in.size(1), d = x_in.size(2), pairs = n * (n - 1) / 2;
-  if (!native(x_in)) {
-    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);  // x's dtype, as declared
-    return at::bmm(x_in, x_in.transpose(1, 2)).flatten(1).index_select(1, pair_index(n, x_in.options()));
-  }
   const at::Tensor x = x_in.to(at::kFloat).contiguous();  // bf16 / half: summed in float32
   at::Tensor out = at::empty({b, pairs}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -144,16 +134,6 @@ at::Tensor dot_interaction_backward(const at::Tensor& grad_in, const at::Tensor&
   const int64_t b = x_in.size(0), n = x_in.size(1), d = x_in.size(2), pairs = n * (n - 1) / 2;
   TORCH_CHECK(grad_in.dim() == 2 && grad_in.size(0) == b && grad_in.size(1) == pairs,
               "dot_interaction_backward: grad must be [", b, ", ", pairs, "], got ", grad_in.sizes());
-  if (!native(x_in)) {
-    // the pairs' gradients placed in a symmetric [B, N, N] matrix, one bmm, in x's dtype
-    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    const at::Tensor grad = grad_in.to(x_in.scalar_type());
-    at::Tensor g = at::zeros({b, n * n}, x_in.options());
-    at::Tensor rc = at::tril_indices(n, n, -1, x_in.options().dtype(at::kLong));
-    g.index_copy_(1, rc[0] * n + rc[1], grad);
-    g.index_copy_(1, rc[1] * n + rc[0], grad);
-    return at::bmm(g.view({b, n, n}), x_in);
-  }
   const at::Tensor x = x_in.to(at::kFloat).contiguous(), grad = grad_in.to(at::kFloat).contiguous();
   at::Tensor dx = at::empty({b, n, d}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -234,9 +214,7 @@ TORCH_LIBRARY_IMPL(deeprec, CPU, m) {
   m.impl("gather_rows_backward", gather_rows_backward);
 }
 
-TORCH_LIBRARY_IMPL(deeprec, CUDA, m) {  // the ATen branches above
-  m.impl("dot_interaction", dot_interaction);
-  m.impl("dot_interaction_backward", dot_interaction_backward);
+TORCH_LIBRARY_IMPL(deeprec, CUDA, m) {  // index_select and index_add
   m.impl("gather_rows", gather_rows);
   m.impl("gather_rows_backward", gather_rows_backward);
 }

@@ -9,9 +9,9 @@ for, which inductor compiles into a serving package's own kernels.
     gather_rows(rows [U, D], index [*S]) -> [*S, D]  rows[index]; the backward sums each row's
         gradients (index order: index_add's values) from the layout autograd hands over
 
-On the CPU the dots are summed in float32 (other dtypes are converted there and back): each is
-summed over d in order, without fused multiply-adds, so the values equal a sequential sum's
-bits on every CPU; they differ from bmm's (MKL's order) by float rounding only.
+The native dots take float32, bf16 and half on the CPU, summed in float32 (converted there and back):
+each over d in order, without fused multiply-adds, so the values equal a sequential sum's bits on every
+CPU; they differ from bmm's (MKL's order) by float rounding only.
 """
 from __future__ import annotations
 
@@ -19,18 +19,22 @@ import torch
 
 from deeprec.ops.graph_op import op
 
+_SUMMED_IN_FLOAT32 = (torch.float32, torch.bfloat16, torch.float16)  # what the native op takes
+
 
 @op
 def dot_interaction(x: torch.Tensor) -> torch.Tensor:
     """Pairwise dots of each sample's N vectors (the strictly lower triangle, row by row).
 
-    The native op runs where a backward is made on the CPU. Elsewhere it is bmm and index_select:
-    without grad or in an exported program (evaluation, serving: inductor compiles them into a
-    package's own kernels, where the native op is a call through AOTInductor's proxy executor, +50 us
-    a DLRM request at 1 row), and on a GPU (under autocast, in its dtype). So evaluation under no_grad
+    The native op runs where a backward is made on the CPU (float32, bf16, half). Elsewhere it is bmm
+    and index_select: without grad or in an exported program (evaluation, serving: inductor compiles
+    them into a package's own kernels, where the native op is a call through AOTInductor's proxy
+    executor, +50 us a DLRM request at 1 row), on a GPU (under autocast, in its dtype) and for float64.
+    So evaluation under no_grad
     and the export score alike, bit for bit; a training forward differs from them by float rounding,
     and under bf16 autocast by more: its dots are float32 sums, evaluation's bf16 bmm."""
-    if x.device.type != "cpu" or torch.compiler.is_exporting() or not (torch.is_grad_enabled() and x.requires_grad):
+    if (x.device.type != "cpu" or x.dtype not in _SUMMED_IN_FLOAT32 or torch.compiler.is_exporting()
+            or not (torch.is_grad_enabled() and x.requires_grad)):
         n = x.shape[1]
         pairs, within = torch.tril_indices(n, n, offset=-1, device=x.device)
         return torch.bmm(x, x.transpose(1, 2)).flatten(1).index_select(1, pairs * n + within)
