@@ -24,6 +24,7 @@ from deeprec.config import Config
 from deeprec.graph.capture import capture
 from deeprec.models.spec import check_outputs
 from deeprec.graph.markers import staged
+from deeprec.graph.shared_calls import merge_shared_calls
 from deeprec.graph.smart_stage import StagePartition, smart_stage_pass
 from deeprec.graph.multi_stream import stream_summary
 from deeprec.nn.lookup import EmbeddingLookup, embedding_lookups
@@ -62,6 +63,7 @@ class OptimizedModel(nn.Module):
             config = dataclasses.replace(config, bf16=enabled)
         self.config = config
         self.graph_module = capture(model)
+        self.merged_calls = merge_shared_calls(self.graph_module)  # a pure op called twice on the same inputs
         has_marker = any(n.op == "call_function" and n.target is staged for n in self.graph_module.graph.nodes)
         self.partition: StagePartition | None = None
         if config.smart_stage or has_marker:
@@ -98,7 +100,8 @@ class OptimizedModel(nn.Module):
             if self.main_step is not None:
                 with record_function("deeprec.main"):
                     return self.main_step(batch)
-            return self.model(batch)
+            # the captured graph where a pass changed it (its leaf modules are the model's own), else the model
+            return self.graph_module(batch) if self.merged_calls else self.model(batch)
         item = batch if isinstance(batch, StagedBatch) else self.stage(batch)
         with record_function("deeprec.main"):
             return (self.main_step or self.partition.main)(*make_ready(item, self.device))
@@ -238,6 +241,9 @@ def explain(fast: OptimizedModel) -> str:
     name = type(fast.model).__name__
     part = fast.partition
     lines = [f"{name}.forward: {sum(1 for _ in fast.graph_module.graph.nodes)} graph nodes"]
+    if fast.merged_calls:
+        lines.append(f"shared calls: {fast.merged_calls} repeated call(s) of a pure deeprec op on the same inputs "
+                     "merged into one (graph/shared_calls.py)")
     if part is None:
         lines.append("SmartStage off (dr.Config(smart_stage=True) enables it).")
         return "\n".join(lines + _explain_step(fast))

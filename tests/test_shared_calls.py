@@ -1,0 +1,130 @@
+"""deeprec/graph/shared_calls.py: a pure deeprec op called twice on the same inputs runs once; the
+step computes the same bits; stateful ops, other arguments and outputs written in place are left alone."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import deeprec as dr
+from deeprec.cli import sample_path
+from deeprec.data import open_reader, resolve_schema
+from deeprec.graph import capture
+from deeprec.graph.shared_calls import merge_shared_calls
+from deeprec.models import build_model
+from deeprec.optim import make_optimizer
+
+calls = {"pure": 0, "stateful": 0}
+
+
+@dr.op
+def doubled(x: torch.Tensor, scale: float) -> torch.Tensor:
+    calls["pure"] += 1
+    return x * scale
+
+
+@dr.op(stateful=True)
+def counted(x: torch.Tensor) -> torch.Tensor:
+    calls["stateful"] += 1
+    return x + calls["stateful"]
+
+
+@dr.op(outputs=2)
+def halves(x: torch.Tensor):
+    return x[:, :1], x[:, 1:]
+
+
+class Repeats(nn.Module):
+    def forward(self, batch):
+        x = batch["x"]
+        a, b = doubled(x, 2.0), doubled(x, 2.0)      # merged
+        c = doubled(x, 3.0)                           # another constant: kept
+        d, e = counted(x), counted(x)                 # stateful: kept
+        (f, _), (g, _) = halves(x), halves(x)         # a tuple result: merged, with its items
+        return {"out": a + b + c + d + e + f + g}
+
+
+def _bag_calls(fast, batch) -> int:
+    """How many times one forward of `fast` runs the native bag layout."""
+    native, seen = torch.ops.deeprec.prepare_bags, []
+
+    class Counting:
+        def __call__(self, *args, **kwargs):
+            seen.append(1)
+            return native(*args, **kwargs)
+
+    torch.ops.deeprec.prepare_bags = Counting()
+    try:
+        with torch.no_grad():
+            fast(batch)
+    finally:
+        torch.ops.deeprec.prepare_bags = native
+    return len(seen)
+
+
+def _targets(gm, fn) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is fn)
+
+
+def test_repeated_pure_calls_merge_and_the_rest_stay():
+    gm = capture(Repeats())
+    assert (_targets(gm, doubled), _targets(gm, counted), _targets(gm, halves)) == (3, 2, 2)
+    x = torch.arange(6.0).reshape(3, 2)
+    want = gm({"x": x})["out"]
+    calls["stateful"] = 0
+    assert merge_shared_calls(gm) == 2
+    assert (_targets(gm, doubled), _targets(gm, counted), _targets(gm, halves)) == (2, 2, 1)
+    calls["pure"] = 0
+    assert torch.equal(gm({"x": x})["out"], want)
+    assert calls["pure"] == 2  # 2.0 once, 3.0 once
+
+
+class WrittenInPlace(nn.Module):
+    def forward(self, batch):
+        a = doubled(batch["x"], 2.0)
+        b = doubled(batch["x"], 2.0)
+        b.add_(1.0)  # a merged call would hand `a` the +1 too
+        return {"out": a + b}
+
+
+def test_an_output_written_in_place_is_not_merged():
+    gm = capture(WrittenInPlace())
+    x = torch.ones(2, 2)
+    want = WrittenInPlace()({"x": x})["out"]
+    assert merge_shared_calls(gm) == 0
+    assert torch.equal(gm({"x": x})["out"], want)
+
+
+@pytest.fixture(scope="module")
+def batches():
+    reader = iter(open_reader([sample_path()], 64, schema=resolve_schema([sample_path()], None)))
+    return [next(reader) for _ in range(3)]
+
+
+@pytest.mark.parametrize("name,smart_stage", [("wdl", True), ("deepfm", True), ("wdl", False)])
+def test_zoo_models_sharing_ids_lay_out_their_bags_once_with_the_same_step(name, smart_stage, batches):
+    """Wide & Deep and DeepFM embed the same ids twice: one bag layout, and training through the
+    optimized step (staged, or the captured graph run as it is) matches the plain model's, bit for bit,
+    over several steps."""
+    torch.manual_seed(0)
+    plain = build_model(name)
+    model = copy.deepcopy(plain)
+    fast = dr.optimize(model, dr.Config(smart_stage=smart_stage))
+    # the step itself lays out the bags once (counted on a copy: a forward inserts keys)
+    assert _bag_calls(dr.optimize(copy.deepcopy(plain), dr.Config(smart_stage=smart_stage)), batches[0]) == 1
+    assert _bag_calls(copy.deepcopy(plain), batches[0]) == 2
+    assert fast.merged_calls == 1
+    assert "shared calls: 1" in fast.explain()
+    bags = [n for n in fast.graph_module.graph.nodes if getattr(n.target, "__name__", "") == "prepare_bags"]
+    assert len(bags) == 1
+    opt_plain, opt_fast = make_optimizer(plain, "adagrad", 0.01), make_optimizer(model, "adagrad", 0.01)
+    for batch in batches:
+        want, got = plain(batch), fast(batch)
+        assert torch.equal(want["logits"], got["logits"])
+        want["loss"].backward(), got["loss"].backward()
+        opt_plain.step(), opt_fast.step()
+        opt_plain.zero_grad(), opt_fast.zero_grad()
+    for (n, p), (_, q) in zip(plain.named_parameters(), model.named_parameters()):
+        assert torch.equal(p, q), n
