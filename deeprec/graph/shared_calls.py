@@ -5,10 +5,12 @@
 
 A model written plainly repeats work its parts share: Wide & Deep and DeepFM embed the same hashed ids
 in two FeatureEmbedders (the deep and the wide/FM part), each laying out the same bags, ~0.3 ms a batch
-on 2 cores. Only deeprec ops that are not stateful (`@op`: they read nothing but their arguments) are
-merged, and only where their arguments are the same nodes and equal plain constants (no tensor
-constant, whose equality would need its values) and no consumer writes an output in place (`x.add_`,
-`x[i] = v`): the merged call computes what each call did, so the step's outputs are the same bits.
+on 2 cores. Only ops declared pure (`@op(pure=True)`: the result depends on the arguments alone, no
+state, no random numbers; deeprec's hashing, bucketizing, dedup and bag ops) are merged, where their
+arguments are the same nodes and equal plain constants (no tensor constant), and only in a graph with no
+node that may write a tensor in place (a method or function ending in `_`, `inplace=True`, `out=`, a module
+with `inplace` set, or a user module other than torch.nn's and deeprec's embedding lookups, which only
+read their inputs): the merged call then computes what each call did, and the step the same bits.
 """
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ import operator
 
 import torch.fx
 
-from deeprec.ops.graph_op import is_op, is_stateful_op
+from deeprec.nn.lookup import EmbeddingLookup
+from deeprec.ops.graph_op import is_pure_op
 
-_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
+_PLAIN = (int, bool, str, type(None), torch.dtype, torch.device)
 
 
 def _key(node: torch.fx.Node):
@@ -33,45 +36,56 @@ def _key(node: torch.fx.Node):
         if isinstance(value, dict):
             items = tuple((k, freeze(v)) for k, v in value.items())
             return None if any(v is None for _, v in items) else ("dict", items)
+        if isinstance(value, float):
+            return ("float", repr(value))  # 0.0 and -0.0 differ; nan never equals itself
         return ("const", type(value).__name__, value) if isinstance(value, _PLAIN) else None
 
     args, kwargs = freeze(node.args), freeze(node.kwargs)
     return None if args is None or kwargs is None else (node.target, args, kwargs)
 
 
-def _written_in_place(node: torch.fx.Node) -> bool:
-    """Whether a consumer of `node` (or of an item of its tuple result) may write it in place."""
-    for user in node.users:
-        if user.op == "call_function" and user.target is operator.getitem:
-            if _written_in_place(user):
-                return True
-        elif user.op == "call_method" and str(user.target).endswith("_"):
-            return True
-        elif user.op == "call_function" and (user.target is operator.setitem or
-                                             getattr(user.target, "__name__", "").endswith("_")):
-            return True
-    return False
+def _may_write_in_place(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
+    if node.op in ("placeholder", "output", "get_attr"):
+        return False
+    if "out" in node.kwargs or node.kwargs.get("inplace") is True:
+        return True
+    if node.op == "call_method":
+        return str(node.target).endswith("_")
+    if node.op == "call_function":
+        return node.target is operator.setitem or getattr(node.target, "__name__", "").endswith("_")
+    module = gm.get_submodule(node.target)  # call_module
+    if isinstance(module, EmbeddingLookup):
+        return False
+    return getattr(module, "inplace", False) is True or not type(module).__module__.startswith("torch.nn")
 
 
 def merge_shared_calls(gm: torch.fx.GraphModule) -> int:
-    """In place: each repeated call of a pure deeprec op is replaced by its first (the items of a tuple
-    result too). Returns how many calls were merged."""
+    """In place: each repeated call of a pure op is replaced by its first (and the items taken from its
+    tuple result by the first's). Returns how many calls were merged."""
+    if any(_may_write_in_place(node, gm) for node in gm.graph.nodes):
+        return 0
     first: dict = {}
     merged = 0
     for node in list(gm.graph.nodes):
-        pure_op = node.op == "call_function" and is_op(node.target) and not is_stateful_op(node.target)
-        item = node.op == "call_function" and node.target is operator.getitem
-        if not (pure_op or item):
+        if node.op != "call_function" or not is_pure_op(node.target):
             continue
         key = _key(node)
         if key is None:
             continue
         earlier = first.setdefault(key, node)
-        if earlier is node or (pure_op and (_written_in_place(node) or _written_in_place(earlier))):
+        if earlier is node:
             continue
         node.replace_all_uses_with(earlier)
         gm.graph.erase_node(node)
-        merged += pure_op
+        merged += 1
+        # the items it gave now repeat the first call's: one node each
+        taken = {}
+        for user in list(earlier.users):
+            if user.op == "call_function" and user.target is operator.getitem and not user.kwargs:
+                kept = taken.setdefault(user.args[1:], user)
+                if kept is not user:
+                    user.replace_all_uses_with(kept)
+                    gm.graph.erase_node(user)
     if merged:
         gm.graph.lint()
         gm.recompile()

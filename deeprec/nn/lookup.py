@@ -45,7 +45,7 @@ def _as_ids(ids) -> tuple[torch.Tensor, torch.Tensor, int]:
     return ids.reshape(-1).long().cpu(), _NO_OFFSETS, ids.shape[0]
 
 
-@op(outputs=5)
+@op(outputs=5, pure=True)
 def prepare_bags(ids: Sequence, combiners: Sequence[str], fill_ids: Sequence):
     """Prune negative ids, fill empty bags, dedup per feature, and lay out all
     F x B bags (feature-major) for one bag reduction: one native op for every feature

@@ -29,11 +29,11 @@ except ImportError as err:  # pragma: no cover - an install that skipped the C++
 from deeprec.errors import ConfigError, check_choice
 from deeprec.ops import fake  # noqa: F401  - fake kernels for torch.compile / torch.export
 from deeprec.ops import step  # noqa: F401  - the step ops' autograd formulas
-from deeprec.ops.graph_op import is_op, is_stateful_op, op
+from deeprec.ops.graph_op import is_op, is_pure_op, is_stateful_op, op
 from deeprec.ragged import Ragged
 
 __all__ = [
-    "op", "is_op", "is_stateful_op", "HASHES", "string_to_hash_bucket", "string_to_hash_key",
+    "op", "is_op", "is_pure_op", "is_stateful_op", "HASHES", "string_to_hash_bucket", "string_to_hash_key",
     "fill_missing", "log_normalize", "bucketize", "cross_hash_bucket", "dedup",
     "hash_ragged", "ragged_keys", "truncate_ragged", "pad_ragged", "id_to_bucket",
 ]
@@ -76,7 +76,7 @@ def _num_buckets(value, count: int) -> list[int]:
     return [int(n) for n in values]
 
 
-@op(outputs=_count_columns)
+@op(outputs=_count_columns, pure=True)
 def string_to_hash_bucket(col, num_buckets, hash: str = "siphash"):
     """Hash each string into [0, num_buckets): int64 [B] (the role of `tf.strings.to_hash_bucket_fast`).
 
@@ -90,7 +90,7 @@ def string_to_hash_bucket(col, num_buckets, hash: str = "siphash"):
     return out[0] if single else tuple(out)
 
 
-@op(outputs=_count_columns)
+@op(outputs=_count_columns, pure=True)
 def string_to_hash_key(col, hash: str = "siphash"):
     """The 63-bit hash of each string as an int64 key (>= 0): ids for an EmbeddingVariable,
     which needs no bucket count. A list of columns gives a tuple of tensors, one per column."""
@@ -100,7 +100,7 @@ def string_to_hash_key(col, hash: str = "siphash"):
     return out[0] if single else tuple(out)
 
 
-@op
+@op(pure=True)
 def cross_hash_bucket(cols: Sequence, num_buckets: int, separator: str = "_X_", hash: str = "siphash") -> torch.Tensor:
     """Hash the crossed value of several string columns into [0, num_buckets):
     row i hashes cols[0][i] + separator + cols[1][i] + ... (a crossed_column feature)."""
@@ -112,19 +112,19 @@ def cross_hash_bucket(cols: Sequence, num_buckets: int, separator: str = "_X_", 
                                                _num_buckets(num_buckets, 1)[0], separator, hash)
 
 
-@op
+@op(pure=True)
 def fill_missing(x: torch.Tensor, value: float = 0.0) -> torch.Tensor:
     """Replace NaN (a missing dense value) by `value`."""
     return torch.nan_to_num(x, nan=value, posinf=float("inf"), neginf=float("-inf"))
 
 
-@op
+@op(pure=True)
 def log_normalize(x: torch.Tensor) -> torch.Tensor:
     """log(1 + max(x, 0)): the usual squashing of Criteo's heavy-tailed counts."""
     return torch.log1p(torch.clamp_min(x, 0.0))
 
 
-@op
+@op(pure=True)
 def bucketize(x: torch.Tensor, boundaries: Sequence[float]) -> torch.Tensor:
     """Bucket ids like `tf.raw_ops.Bucketize`: boundaries [a, b] map
     x < a -> 0, a <= x < b -> 1, x >= b -> 2 (boundaries in x's dtype). NaN maps to
@@ -133,7 +133,7 @@ def bucketize(x: torch.Tensor, boundaries: Sequence[float]) -> torch.Tensor:
     return torch.ops.deeprec.bucketize(x, bounds.to(x.dtype))
 
 
-@op(outputs=2)
+@op(outputs=2, pure=True)
 def dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted unique ids, inverse) with unique[inverse] == ids: look up each id once."""
     return torch.ops.deeprec.dedup(ids)

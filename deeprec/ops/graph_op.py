@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch.fx
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 
-__all__ = ["op", "is_op", "is_stateful_op"]
+__all__ = ["op", "is_op", "is_pure_op", "is_stateful_op"]
 
 
 def _first_proxy(value: Any) -> torch.fx.Proxy | None:
@@ -38,14 +38,19 @@ def _first_proxy(value: Any) -> torch.fx.Proxy | None:
 
 
 def op(fn: Callable | None = None, *, stateful: bool = False,
-       outputs: int | Callable[..., int | None] | None = None):
-    """Decorator: `@op`, `@op(stateful=True)`, `@op(outputs=2)`.
+       outputs: int | Callable[..., int | None] | None = None, pure: bool = False):
+    """Decorator: `@op`, `@op(stateful=True)`, `@op(outputs=2)`, `@op(pure=True)`.
 
     A stateful op (one that reads or writes state outside its arguments, such
     as a counter or a lookup into a growing table) is never moved ahead of
     the step that owns that state. `outputs`: how many values the op returns as a
     tuple, or a function of the op's arguments saying so (None: one value).
+    `pure`: its result depends on its arguments alone (no state, no random numbers) and it
+    writes none of them: two calls on the same inputs may be merged into one
+    (deeprec/graph/shared_calls.py).
     """
+    if pure and stateful:
+        raise ValueError("@op: an op cannot be both pure and stateful")
 
     def decorate(func: Callable) -> Callable:
         @functools.wraps(func)
@@ -61,6 +66,7 @@ def op(fn: Callable | None = None, *, stateful: bool = False,
 
         wrapper.__deeprec_op__ = True
         wrapper.__deeprec_stateful__ = stateful
+        wrapper.__deeprec_pure__ = pure
         return wrapper
 
     return decorate(fn) if fn is not None else decorate
@@ -72,3 +78,7 @@ def is_op(target: Any) -> bool:
 
 def is_stateful_op(target: Any) -> bool:
     return bool(getattr(target, "__deeprec_stateful__", False))
+
+
+def is_pure_op(target: Any) -> bool:
+    return bool(getattr(target, "__deeprec_pure__", False))

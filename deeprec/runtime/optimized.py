@@ -100,8 +100,7 @@ class OptimizedModel(nn.Module):
             if self.main_step is not None:
                 with record_function("deeprec.main"):
                     return self.main_step(batch)
-            # the captured graph where a pass changed it (its leaf modules are the model's own), else the model
-            return self.graph_module(batch) if self.merged_calls else self.model(batch)
+            return self.model(batch)
         item = batch if isinstance(batch, StagedBatch) else self.stage(batch)
         with record_function("deeprec.main"):
             return (self.main_step or self.partition.main)(*make_ready(item, self.device))

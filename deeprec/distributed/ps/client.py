@@ -240,10 +240,9 @@ class PSClient:
         """Create variables on the PSs (idempotent): {name: dim} and {name: initial value};
         `defaults` gives an embedding's initializer matrix (row key % n starts a new key)."""
         self.dims.update(embeddings)
-        # every matrix sent (the PS's own default is this one): the worker fills in the rows a pull creates
-        defaults = {n: (defaults or {}).get(n, InitializerOption().matrix(d)) for n, d in embeddings.items()}
-        for n, m in defaults.items():
-            self.initializers.add(n, m)
+        defaults = defaults or {}
+        for n, d in embeddings.items():  # the matrices the PS holds (its default where none is sent): fresh.py
+            self.initializers.add(n, defaults[n] if n in defaults else InitializerOption().matrix(d))
         jobs = []
         for ps in range(self.num_ps):
             specs = [{"name": n, "kind": "embedding", "dim": d, "optimizer": optimizer, "lr": lr}
@@ -251,7 +250,7 @@ class PSClient:
             mine = {n: v for n, v in dense.items() if self.dense_owner(n) == ps}
             specs += [{"name": n, "kind": "dense", "optimizer": optimizer, "lr": lr} for n in mine]
             tensors = {f"init/{n}": v for n, v in mine.items()}
-            tensors.update({f"defaults/{n}": m for n, m in (defaults or {}).items()})
+            tensors.update({f"defaults/{n}": m for n, m in defaults.items()})
             jobs.append(("Register", ps, {"variables": specs}, tensors))
         for ps, (header, _) in enumerate(self._fan_out(jobs)):
             self._expect(ps, header)
@@ -271,8 +270,8 @@ class PSClient:
             if routing is not None and routing.reaches(ps):
                 header["embeddings"] = routing.names
                 tensors = routing.tensors(ps, prefix)
-                if train and set(routing.names) <= self._fresh_ok[ps]:
-                    header["omit_fresh"] = True
+                if train and set(routing.names) <= self._fresh_ok[ps]:  # the PS checks the digest too
+                    header["omit_fresh"] = self.initializers.digest(routing.names)
             header["dense"] = [n for n in dense if self.dense_owner(n) == ps]
             if "embeddings" in header or header["dense"]:
                 jobs[ps] = (header, tensors)

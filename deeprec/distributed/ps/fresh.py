@@ -1,20 +1,20 @@
 """A training Pull's new rows are not sent: the worker knows their values (its own initializer matrices).
 
-    worker  Register, every embedding with its initializer matrix ──> PS keeps it (the first one registered)
-            <── {"initializers": {name: digest of the matrix the PS holds}}
-            a name whose digest equals that of the worker's own matrix may be pulled with "omit_fresh"
-    worker  Pull {"omit_fresh": true, ...} ──> PS: the keys it held are gathered as before; the keys the pull
-            created are left out of values/{dim}, and fresh/{dim} (bool, one per row of that dim) marks them
-            <── values/{dim} (held rows only), fresh/{dim}
+    worker  Register ──> PS keeps each embedding's initializer matrix (the first one registered; its own
+            default, InitializerOption's, where none is given) <── {"initializers": {name: digest}}
+    worker  Pull {"omit_fresh": digest of the pull's variables' matrices, as the worker holds them} ──>
+            PS: where that equals the digest of the matrices it holds, the keys it held are gathered as
+            before, the keys the pull created are left out of values/{dim}, and fresh/{dim} (bool, one per
+            row of that dim) marks them; otherwise it answers in full
     worker  each marked row = its variable's matrix row key % rows: the value the PS gave it (bitwise: the
             same float32 matrix, the same row), so the pull answers what a full pull answers.
 
 A step of ids the PS has not seen (a job's first hours, a uniform id space) then sends ~one row in ten
 back instead of all of them: 0.75 MB fewer per step at batch 512 x 26 tables, and the PS gathers and
-packs only the rows it held. Only an EmbeddingArena's rows are left out (a tiered arena answers in full),
-and only where all of a dim's rows come from one arena (a request mixing arenas of one dim answers in
-full); a worker whose matrix differs from the PS's (another worker registered the variable first, with
-other values) asks in full.
+packs only the rows it held. The PS checks the digest with every pull, so a worker whose matrices differ
+from the PS's (another worker registered the variable first, a restarted PS) is answered in full. Only an
+EmbeddingArena's rows are left out (a tiered arena answers in full), and only where all of a dim's rows
+come from one arena.
 """
 from __future__ import annotations
 
@@ -25,10 +25,17 @@ import torch
 
 def matrix_digest(matrix: torch.Tensor) -> str:
     """A digest of an initializer matrix's float32 values and shape."""
-    m = matrix.detach().float().contiguous()
+    m = matrix.detach().cpu().float().contiguous()
     digest = hashlib.blake2b(str(list(m.shape)).encode(), digest_size=16)
     digest.update(m.numpy().tobytes())
     return digest.hexdigest()
+
+
+def combined_digest(digests: dict[str, str], names: list[str]) -> str | None:
+    """One digest of the matrices of `names`, in order (None if one of them has none)."""
+    if any(n not in digests for n in names):
+        return None
+    return hashlib.blake2b("\n".join(digests[n] for n in names).encode(), digest_size=16).hexdigest()
 
 
 def held_rows(rows: torch.Tensor, fresh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,31 +55,41 @@ class Initializers:
         self.digests: dict[str, str] = {}
 
     def add(self, name: str, matrix: torch.Tensor) -> None:
-        matrix = matrix.detach().float().contiguous()
+        matrix = matrix.detach().cpu().float().contiguous()
         digest = matrix_digest(matrix)
         if self.digests.get(name) == digest:
             return
         dim = matrix.shape[1]
         held = self.matrices.get(dim)
-        self.spans[name] = (0 if held is None else held.shape[0], matrix.shape[0])
+        start = 0 if held is None else held.shape[0]
+        # the stack grows first: a concurrent fill reading the old span still finds its rows
         self.matrices[dim] = matrix if held is None else torch.cat([held, matrix])
+        self.spans[name] = (start, matrix.shape[0])
         self.digests[name] = digest
 
+    def digest(self, names: list[str]) -> str | None:
+        return combined_digest(self.digests, names)
+
     def fill(self, values: torch.Tensor, fresh: torch.Tensor, keys: torch.Tensor, names: list[str],
-             table: torch.Tensor) -> torch.Tensor:
+             table: torch.Tensor, dim: int) -> torch.Tensor:
         """The full rows of a reply's dim: `values` holds the held places' rows in order, `fresh` marks
-        the others; `keys` and `table` (index into `names`) give each place's key and variable."""
+        the others; `keys` and `table` (index into `names`) give each place's key and variable. Raises
+        ValueError, naming what does not fit, for a reply that cannot be such an answer."""
         if fresh.dtype != torch.bool or fresh.dim() != 1 or fresh.numel() != keys.numel():
-            raise ValueError(f"a Pull's fresh mask must be bool [{keys.numel()}], got {fresh.dtype} {list(fresh.shape)}")
+            raise ValueError(f"fresh/{dim} must be bool [{keys.numel()}], got {str(fresh.dtype)[6:]} "
+                             f"{list(fresh.shape)}")
         held = keys.numel() - int(fresh.sum())
-        if values.dim() != 2 or values.shape[0] != held:
-            raise ValueError(f"a Pull answered {list(values.shape)} rows for {held} held keys")
-        out = torch.empty(keys.numel(), values.shape[1])
+        if values.dim() != 2 or list(values.shape) != [held, dim]:
+            raise ValueError(f"values/{dim} must be [{held}, {dim}] (the rows of the keys held), got {list(values.shape)}")
+        out = torch.empty(keys.numel(), dim)
         out[~fresh] = values
         places = torch.nonzero(fresh).squeeze(1)
         if places.numel():
-            start = torch.tensor([self.spans[n][0] for n in names])
-            count = torch.tensor([self.spans[n][1] for n in names])
             var = table[places]
-            out[places] = self.matrices[values.shape[1]].index_select(0, start[var] + keys[places] % count[var])
+            missing = [names[v] for v in torch.unique(var).tolist() if names[v] not in self.spans]
+            if missing or dim not in self.matrices:
+                raise ValueError(f"fresh/{dim} marks rows of {missing or names} whose initializer this worker lacks")
+            start = torch.tensor([self.spans.get(n, (0, 1))[0] for n in names])
+            count = torch.tensor([self.spans.get(n, (0, 1))[1] for n in names])
+            out[places] = self.matrices[dim].index_select(0, start[var] + keys[places] % count[var])
         return out

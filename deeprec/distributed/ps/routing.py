@@ -14,6 +14,7 @@ class Routing:
     def __init__(self, client, keys: dict[str, torch.Tensor], grads: dict | None = None):
         self.num_ps = client.num_ps
         self.initializers = client.initializers  # a pull's rows left out as fresh are filled from these
+        self._table = None
         self.names = sorted(keys, key=lambda n: client.dims[n])
         sizes = [keys[n].numel() for n in self.names]
         self.sizes = sizes
@@ -70,12 +71,18 @@ class Routing:
         if f"fresh/{dim}" not in tensors:
             return values
         start, end = self.spans[dim]
-        table = torch.repeat_interleave(torch.arange(len(self.names)), torch.tensor(self.sizes))[start:end]
-        keys = self.flat[start:end]
+        if self._table is None:  # each row's table (index into names)
+            self._table = torch.repeat_interleave(torch.arange(len(self.names)), torch.tensor(self.sizes))
+        table, keys = self._table[start:end], self.flat[start:end]
         if self.num_ps > 1:
             within = self._within(ps, dim)
             table, keys = table[within], keys[within]
-        return self.initializers.fill(values, tensors[f"fresh/{dim}"], keys, self.names, table)
+        try:
+            return self.initializers.fill(values, tensors[f"fresh/{dim}"], keys, self.names, table, dim)
+        except ValueError as err:
+            from deeprec.distributed.ps.client import PSError  # (client imports this module)
+
+            raise PSError(f"PS {ps}: a Pull's reply does not fit its request: {err}") from None
 
     def split(self, by_dim: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
         """{table: its rows}: views of the per-dim tensors."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deeprec.distributed.ps.fresh import held_rows, matrix_digest
+from deeprec.distributed.ps.fresh import combined_digest, held_rows, matrix_digest
 from deeprec.distributed.ps.pulled import PulledRows
 from deeprec.distributed.ps.store import DenseGroup, EmbeddingArena, load_bytes, row_bytes
 from deeprec.distributed.ps.tiered import TieredArena
@@ -232,10 +232,11 @@ class ShardState:
         keys that fits: the reply's header then says {"rows": m} (of the request's keys, in order), and
         the client asks for the rest (PSClient). A training pull is answered whole (its keys are a batch's)."""
         _check_fields(header, ("embeddings", "dense", "train", "omit_fresh"), "Pull")
-        train, omit = header.get("train", True), header.get("omit_fresh", False)
-        for field, value in (("train", train), ("omit_fresh", omit)):
-            if not isinstance(value, bool):
-                raise WireError(f"Pull: header '{field}' must be true or false, got {value!r}")
+        train, omit = header.get("train", True), header.get("omit_fresh")
+        if not isinstance(train, bool):
+            raise WireError(f"Pull: header 'train' must be true or false, got {train!r}")
+        if omit is not None and not isinstance(omit, str):
+            raise WireError(f"Pull: header 'omit_fresh' must be the digest of the pull's initializers, got {omit!r}")
         parts, dense = self._rows_request(header, tensors, prefix), self._dense_names(header)
         reply = {}
         if parts:
@@ -253,7 +254,9 @@ class ShardState:
         client = header.get("client") if client is None else client
         # the keys stay a view of the request unless it holds more (a PushPull's gradients)
         pulled = (header.get("seq"), header.get("embeddings"), prefix == "")
-        return train, parts, dense, reply, client if train and isinstance(client, str) else None, pulled, omit and train
+        # the rows it creates are left out only for a worker holding the same initializers (fresh.py)
+        omit = train and omit is not None and omit == combined_digest(self.initializers, header.get("embeddings", []))
+        return train, parts, dense, reply, client if train and isinstance(client, str) else None, pulled, omit
 
     def _first_rows(self, header: dict, tensors: dict, prefix: str, dense: list) -> tuple[list, int]:
         """The parts of the longest prefix of the request's keys whose rows fit `max_reply` (at least one key)."""
