@@ -48,28 +48,9 @@ class Repeats(nn.Module):
         x = batch["x"]
         a, b = doubled(x, 2.0), doubled(x, 2.0)      # merged
         c = doubled(x, 3.0)                           # another constant: kept
-        d, e = counted(x), counted(x)                 # stateful: kept
+        d = doubled(x, -0.0) + doubled(x, 0.0)        # -0.0 and 0.0 differ: kept
         (f, _), (g, _) = halves(x), halves(x)         # a tuple result: merged, with its items
-        h, i = noisy(x), noisy(x)                     # not declared pure: kept
-        return {"out": a + b + c + d + e + f + g + 0 * (h + i)}
-
-
-def _bag_calls(fast, batch) -> int:
-    """How many times one forward of `fast` runs the native bag layout."""
-    native, seen = torch.ops.deeprec.prepare_bags, []
-
-    class Counting:
-        def __call__(self, *args, **kwargs):
-            seen.append(1)
-            return native(*args, **kwargs)
-
-    torch.ops.deeprec.prepare_bags = Counting()
-    try:
-        with torch.no_grad():
-            fast(batch)
-    finally:
-        torch.ops.deeprec.prepare_bags = native
-    return len(seen)
+        return {"out": a + b + c + d + f + g}
 
 
 def _targets(gm, fn) -> int:
@@ -78,17 +59,31 @@ def _targets(gm, fn) -> int:
 
 def test_repeated_pure_calls_merge_and_the_rest_stay():
     gm = capture(Repeats())
-    assert (_targets(gm, doubled), _targets(gm, counted), _targets(gm, halves), _targets(gm, noisy)) == (3, 2, 2, 2)
+    assert (_targets(gm, doubled), _targets(gm, halves)) == (5, 2)
     x = torch.arange(6.0).reshape(3, 2)
     want = gm({"x": x})["out"]
-    calls["stateful"] = 0
     assert merge_shared_calls(gm) == 2
-    assert (_targets(gm, doubled), _targets(gm, counted), _targets(gm, halves), _targets(gm, noisy)) == (2, 2, 1, 2)
+    assert (_targets(gm, doubled), _targets(gm, halves)) == (4, 1)
     items = [n for n in gm.graph.nodes if n.target is operator.getitem and n.args[0].target is halves]
     assert sorted(n.args[1] for n in items) == [0, 1]  # each item once: the second call's are the first's now
     calls["pure"] = 0
     assert torch.equal(gm({"x": x})["out"], want)
-    assert calls["pure"] == 2  # 2.0 once, 3.0 once
+    assert calls["pure"] == 4  # 2.0 once, 3.0, -0.0 and 0.0
+
+
+class NotPure(nn.Module):
+    def forward(self, batch):
+        x = batch["x"]
+        h, i = noisy(x), noisy(x)       # random numbers: not declared pure
+        d, e = counted(x), counted(x)   # stateful
+        return {"out": doubled(x, 2.0) + doubled(x, 2.0) + 0 * (h + i) + d + e}
+
+
+def test_ops_not_declared_pure_are_never_merged_nor_trusted():
+    """A graph holding an op not declared pure (it might write its arguments) is left as it is."""
+    gm = capture(NotPure())
+    assert merge_shared_calls(gm) == 0
+    assert (_targets(gm, noisy), _targets(gm, counted), _targets(gm, doubled)) == (2, 2, 2)
 
 
 class OutputWritten(nn.Module):
@@ -124,7 +119,27 @@ class ModuleInPlace(nn.Module):
         return {"out": a - b}
 
 
-@pytest.mark.parametrize("model", [OutputWritten, InputWritten, ThroughAView, ModuleInPlace])
+@dr.op
+def scaled_in_place(x: torch.Tensor) -> torch.Tensor:  # not declared pure: it may write its argument
+    return x.mul_(10.0)
+
+
+class OpInPlace(nn.Module):
+    def forward(self, batch):
+        x = batch["x"] * 1.0
+        a = doubled(x, 2.0)
+        scaled_in_place(x)
+        return {"out": a + doubled(x, 2.0)}
+
+
+class AtenInPlace(nn.Module):
+    def forward(self, batch):
+        a, b = doubled(batch["x"], 2.0), doubled(batch["x"], 2.0)
+        torch.ops.aten.add_.Tensor(b, b)
+        return {"out": a - b}
+
+
+@pytest.mark.parametrize("model", [OutputWritten, InputWritten, ThroughAView, ModuleInPlace, OpInPlace, AtenInPlace])
 def test_a_graph_that_may_write_in_place_is_left_as_it_is(model):
     gm = capture(model())
     x = torch.tensor([[-1.0, 2.0], [3.0, -4.0]])
@@ -134,10 +149,50 @@ def test_a_graph_that_may_write_in_place_is_left_as_it_is(model):
     assert torch.equal(gm({"x": x.clone()})["out"], want)
 
 
+@dr.op(pure=True)
+def pair(x: torch.Tensor):  # returns a tuple without declaring outputs: its items are taken by the model
+    return x * 2, x * 3
+
+
+class Items(nn.Module):
+    def forward(self, batch):
+        x = batch["x"]
+        a, b = pair(x), pair(x)
+        f = b[0] * 2       # an item of the second call used before the first call's item exists
+        g = a[0]
+        return {"out": f + g + doubled(x, 2.0)[:, :1] + doubled(x, 2.0)[:, :1]}
+
+
+def test_items_and_slices_of_merged_calls_keep_the_graph_in_order():
+    gm = capture(Items())
+    x = torch.arange(6.0).reshape(3, 2)
+    want = Items()({"x": x})["out"]
+    assert merge_shared_calls(gm) == 2
+    assert torch.equal(gm({"x": x})["out"], want)
+
+
 @pytest.fixture(scope="module")
 def batches():
     reader = iter(open_reader([sample_path()], 64, schema=resolve_schema([sample_path()], None)))
     return [next(reader) for _ in range(3)]
+
+
+def _bag_calls(fast, batch) -> int:
+    """How many times one forward of `fast` runs the native bag layout."""
+    native, seen = torch.ops.deeprec.prepare_bags, []
+
+    class Counting:
+        def __call__(self, *args, **kwargs):
+            seen.append(1)
+            return native(*args, **kwargs)
+
+    torch.ops.deeprec.prepare_bags = Counting()
+    try:
+        with torch.no_grad():
+            fast(batch)
+    finally:
+        torch.ops.deeprec.prepare_bags = native
+    return len(seen)
 
 
 @pytest.mark.parametrize("name", ["wdl", "deepfm"])

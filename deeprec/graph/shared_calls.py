@@ -9,8 +9,10 @@ on 2 cores. Only ops declared pure (`@op(pure=True)`: the result depends on the 
 state, no random numbers; deeprec's hashing, bucketizing, dedup and bag ops) are merged, where their
 arguments are the same nodes and equal plain constants (no tensor constant), and only in a graph with no
 node that may write a tensor in place (a method or function ending in `_`, `inplace=True`, `out=`, a module
-with `inplace` set, or a user module other than torch.nn's and deeprec's embedding lookups, which only
-read their inputs): the merged call then computes what each call did, and the step the same bits.
+with `inplace` set, a user module other than deeprec's embedding lookups, which only read their inputs, a
+deeprec op not declared pure, any function from outside torch and Python's operators): the merged call
+then computes what each call did, and the step the same bits. It changes only a graph that runs (SmartStage,
+bf16, multi-stream, `--compile`); without them the model runs as written.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import operator
 import torch.fx
 
 from deeprec.nn.lookup import EmbeddingLookup
-from deeprec.ops.graph_op import is_pure_op
+from deeprec.ops.graph_op import is_op, is_pure_op
 
 _PLAIN = (int, bool, str, type(None), torch.dtype, torch.device)
 
@@ -44,6 +46,9 @@ def _key(node: torch.fx.Node):
     return None if args is None or kwargs is None else (node.target, args, kwargs)
 
 
+_LIBRARIES = ("torch", "_operator", "operator", "builtins", "math")  # functions known not to write but by name
+
+
 def _may_write_in_place(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
     if node.op in ("placeholder", "output", "get_attr"):
         return False
@@ -52,7 +57,12 @@ def _may_write_in_place(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
     if node.op == "call_method":
         return str(node.target).endswith("_")
     if node.op == "call_function":
-        return node.target is operator.setitem or getattr(node.target, "__name__", "").endswith("_")
+        target = node.target
+        if is_op(target):  # a deeprec op: only those declared pure are known to write nothing
+            return not is_pure_op(target)
+        name = getattr(getattr(target, "overloadpacket", target), "__name__", "")  # aten.add_.Tensor: add_
+        module = getattr(target, "__module__", None) or ""
+        return name.endswith("_") or target is operator.setitem or not module.split(".")[0] in _LIBRARIES
     module = gm.get_submodule(node.target)  # call_module
     if isinstance(module, EmbeddingLookup):
         return False
@@ -64,6 +74,7 @@ def merge_shared_calls(gm: torch.fx.GraphModule) -> int:
     tuple result by the first's). Returns how many calls were merged."""
     if any(_may_write_in_place(node, gm) for node in gm.graph.nodes):
         return 0
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
     first: dict = {}
     merged = 0
     for node in list(gm.graph.nodes):
@@ -78,11 +89,12 @@ def merge_shared_calls(gm: torch.fx.GraphModule) -> int:
         node.replace_all_uses_with(earlier)
         gm.graph.erase_node(node)
         merged += 1
-        # the items it gave now repeat the first call's: one node each
+        # the items it gave now repeat the first call's: one node each, the first in graph order
         taken = {}
-        for user in list(earlier.users):
-            if user.op == "call_function" and user.target is operator.getitem and not user.kwargs:
-                kept = taken.setdefault(user.args[1:], user)
+        for user in sorted(earlier.users, key=position.__getitem__):
+            if (user.op == "call_function" and user.target is operator.getitem and not user.kwargs
+                    and len(user.args) == 2 and type(user.args[1]) is int):
+                kept = taken.setdefault(user.args[1], user)
                 if kept is not user:
                     user.replace_all_uses_with(kept)
                     gm.graph.erase_node(user)

@@ -22,7 +22,7 @@ from deeprec.ops.graph_op import op
 _SUMMED_IN_FLOAT32 = (torch.float32, torch.bfloat16, torch.float16)  # what the native op takes
 
 
-@op
+@op(pure=True)
 def dot_interaction(x: torch.Tensor) -> torch.Tensor:
     """Pairwise dots of each sample's N vectors (the strictly lower triangle, row by row).
 

@@ -78,6 +78,8 @@ class OptimizedModel(nn.Module):
         if (config.multi_stream is not None and config.multi_stream.policy != "none") or config.graph_fusion \
                 or config.bf16 or config.tf32:
             self.main_step = MainStep(self.partition.main if self.staged else self.graph_module, config, self.device)
+        if not self.staged and self.main_step is None:
+            self.merged_calls = 0  # the model runs as written: the captured graph only describes it
         self.last_source_state = None  # reader position after the last batch iterate() yielded
         self.prefetch_stats = None
         self.auto_decision = None  # SmartStageOptions(executor="auto"): what it picked and why

@@ -271,7 +271,7 @@ class PSClient:
                 header["embeddings"] = routing.names
                 tensors = routing.tensors(ps, prefix)
                 if train and set(routing.names) <= self._fresh_ok[ps]:  # the PS checks the digest too
-                    header["omit_fresh"] = self.initializers.digest(routing.names)
+                    header["omit_fresh"] = routing.initializers.digest(routing.names)
             header["dense"] = [n for n in dense if self.dense_owner(n) == ps]
             if "embeddings" in header or header["dense"]:
                 jobs[ps] = (header, tensors)

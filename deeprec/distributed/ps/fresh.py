@@ -70,6 +70,13 @@ class Initializers:
     def digest(self, names: list[str]) -> str | None:
         return combined_digest(self.digests, names)
 
+    def snapshot(self) -> "Initializers":
+        """These matrices as of now (a pull's digest and its fill use one, whatever a Register changes
+        meanwhile); the stacks are shared, never written in place."""
+        copy = Initializers()
+        copy.spans, copy.matrices, copy.digests = dict(self.spans), dict(self.matrices), dict(self.digests)
+        return copy
+
     def fill(self, values: torch.Tensor, fresh: torch.Tensor, keys: torch.Tensor, names: list[str],
              table: torch.Tensor, dim: int) -> torch.Tensor:
         """The full rows of a reply's dim: `values` holds the held places' rows in order, `fresh` marks

@@ -13,7 +13,8 @@ class Routing:
 
     def __init__(self, client, keys: dict[str, torch.Tensor], grads: dict | None = None):
         self.num_ps = client.num_ps
-        self.initializers = client.initializers  # a pull's rows left out as fresh are filled from these
+        # a pull's digest of its initializers, and its rows left out as fresh, from these
+        self.initializers = client.initializers.snapshot()
         self._table = None
         self.names = sorted(keys, key=lambda n: client.dims[n])
         sizes = [keys[n].numel() for n in self.names]

@@ -2,11 +2,12 @@
 
 Requests are `deeprec.distributed.ps.wire` messages. Rows travel fused, not per variable:
 
-    Pull   header {"embeddings": [names], "dense": [names], "train": bool, "omit_fresh"?: bool}
+    Pull   header {"embeddings": [names], "dense": [names], "train": bool, "omit_fresh"?: digest}
            tensors keys int64 [N] (variable by variable), counts int64 [len(embeddings)]
       ->   values/{dim} float32 [N_dim, dim] (the rows of the variables of that dim, in
-           request order), dense/{name} each dense variable's value; with omit_fresh, a dim
-           may leave out the rows the pull created: fresh/{dim} bool [N_dim] marks them (fresh.py)
+           request order), dense/{name} each dense variable's value; with omit_fresh (the digest
+           of the pull's initializers, equal to the PS's), a dim may leave out the rows the pull
+           created: fresh/{dim} bool [N_dim] marks them (fresh.py)
     Push   header {"embeddings", "dense", "step"?, "workers"?}
            tensors keys, counts, grads/{dim} [N_dim, dim], dense/{name} gradients
            or, with "pulled": seq, no keys nor counts: the keys of that training pull of the
