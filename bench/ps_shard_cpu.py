@@ -42,10 +42,9 @@ def _keys(g: torch.Generator, batch: int) -> list[torch.Tensor]:
     return [torch.unique(torch.randint(0, 10_000_000, (batch,), generator=g) % 1_000_000) for _ in TABLES]
 
 
-def _messages(keys: list[torch.Tensor], seq: int, pulled: int | None = None, fresh: str | None = None) -> tuple[bytes, bytes]:
+def _messages(keys: list[torch.Tensor], seq: int, pulled: int | None = None) -> tuple[bytes, bytes]:
     """(Push of these keys' gradients, Pull of them) as PSClient packs them for one PS: a push of the
-    keys of the client's last pull (seq `pulled`) sends none of them; `fresh` (the digest of the tables'
-    initializers): the pull asks the PS to leave out the rows it creates (deeprec/distributed/ps/fresh.py)."""
+    keys of the client's last pull (seq `pulled`) sends none of them."""
     from deeprec.distributed.ps.wire import pack
 
     flat, counts = torch.cat(keys), torch.tensor([k.numel() for k in keys])
@@ -55,8 +54,8 @@ def _messages(keys: list[torch.Tensor], seq: int, pulled: int | None = None, fre
         push = pack({"dense": [], "embeddings": TABLES, **common, "seq": seq}, {"keys": flat, "counts": counts, **grads})
     else:
         push = pack({"dense": [], "embeddings": TABLES, **common, "seq": seq, "pulled": pulled}, grads)
-    pull = pack({"train": True, "embeddings": TABLES, "dense": [], **common, "seq": seq + 1,
-                 **({"omit_fresh": fresh} if fresh else {})}, {"keys": flat, "counts": counts})
+    pull = pack({"train": True, "embeddings": TABLES, "dense": [], **common, "seq": seq + 1},
+                {"keys": flat, "counts": counts})
     return push, pull
 
 
@@ -75,20 +74,11 @@ def inproc(steps: int, batch: int, profile: bool) -> dict:
     state.pull_reply(*unpack(first))
     messages = []
     keyless = importlib.util.find_spec("deeprec.distributed.ps.pulled") is not None  # --before: an older checkout
-    fresh = None
-    if importlib.util.find_spec("deeprec.distributed.ps.fresh") is not None:  # PSClient's digest of the defaults
-        from deeprec.distributed.ps.fresh import Initializers
-        from deeprec.nn.options import InitializerOption
-
-        initializers = Initializers()
-        for name in TABLES:
-            initializers.add(name, InitializerOption().matrix(DIM))
-        fresh = initializers.digest(TABLES)
     for step in range(steps):  # drawn and packed beforehand: the client's work, not the shard's
         nxt = _keys(g, batch)  # step s pushes with seq 2 + 2s, pulls with 3 + 2s (the first pull: 2)
         pulled = (2 + 2 * step - 1 if step else 2) if keyless else None
         messages.append(_messages(current, 2 + 2 * step, pulled)[:1]
-                        + _messages(nxt, 2 + 2 * step, fresh=fresh)[1:])
+                        + _messages(nxt, 2 + 2 * step)[1:])
         current = nxt
 
     def run():

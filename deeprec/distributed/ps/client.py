@@ -25,7 +25,6 @@ import zlib
 import grpc
 import torch
 
-from deeprec.distributed.ps.fresh import Initializers
 from deeprec.distributed.ps.keyless import LastPulls, same_keys
 from deeprec.distributed.ps.shard import GRPC_OPTIONS, SERVICE
 from deeprec.distributed.ps import security
@@ -34,7 +33,6 @@ from deeprec.distributed.ps.tuning import core_number, pin_cores, pin_current_th
 from deeprec.distributed.ps.routing import Routing as _Routing
 from deeprec.distributed.ps.wire import pack, unpack
 from deeprec.errors import DeepRecError, check_choice
-from deeprec.nn.options import InitializerOption
 
 from deeprec.choices import DENSE_MODES, PROTOCOLS  # noqa: E402  (re-exported)
 
@@ -106,9 +104,6 @@ class PSClient:
         self.retries = 0  # calls that needed more than one attempt
         self._local = threading.local()
         self._pulls = LastPulls(len(self.addresses))  # a push of a kept pull's keys sends none (keyless.py)
-        # the embeddings' initializer matrices, and per PS those it holds alike: a training pull of only
-        # those is not sent the rows it creates (fresh.py)
-        self.initializers, self._fresh_ok = Initializers(), [set() for _ in self.addresses]
 
     @property
     def num_ps(self) -> int:
@@ -240,9 +235,6 @@ class PSClient:
         """Create variables on the PSs (idempotent): {name: dim} and {name: initial value};
         `defaults` gives an embedding's initializer matrix (row key % n starts a new key)."""
         self.dims.update(embeddings)
-        defaults = defaults or {}
-        for n, d in embeddings.items():  # the matrices the PS holds (its default where none is sent): fresh.py
-            self.initializers.add(n, defaults[n] if n in defaults else InitializerOption().matrix(d))
         jobs = []
         for ps in range(self.num_ps):
             specs = [{"name": n, "kind": "embedding", "dim": d, "optimizer": optimizer, "lr": lr}
@@ -250,12 +242,10 @@ class PSClient:
             mine = {n: v for n, v in dense.items() if self.dense_owner(n) == ps}
             specs += [{"name": n, "kind": "dense", "optimizer": optimizer, "lr": lr} for n in mine]
             tensors = {f"init/{n}": v for n, v in mine.items()}
-            tensors.update({f"defaults/{n}": m for n, m in defaults.items()})
+            tensors.update({f"defaults/{n}": m for n, m in (defaults or {}).items()})
             jobs.append(("Register", ps, {"variables": specs}, tensors))
         for ps, (header, _) in enumerate(self._fan_out(jobs)):
             self._expect(ps, header)
-            same = {n for n, d in header.get("initializers", {}).items() if d == self.initializers.digests.get(n)}
-            self._fresh_ok[ps] = (self._fresh_ok[ps] - set(embeddings)) | same
 
     def _expect(self, ps: int, header: dict) -> None:
         if "incarnation" in header:
@@ -270,8 +260,6 @@ class PSClient:
             if routing is not None and routing.reaches(ps):
                 header["embeddings"] = routing.names
                 tensors = routing.tensors(ps, prefix)
-                if train and set(routing.names) <= self._fresh_ok[ps]:  # the PS checks the digest too
-                    header["omit_fresh"] = routing.initializers.digest(routing.names)
             header["dense"] = [n for n in dense if self.dense_owner(n) == ps]
             if "embeddings" in header or header["dense"]:
                 jobs[ps] = (header, tensors)

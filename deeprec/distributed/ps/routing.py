@@ -13,9 +13,6 @@ class Routing:
 
     def __init__(self, client, keys: dict[str, torch.Tensor], grads: dict | None = None):
         self.num_ps = client.num_ps
-        # a pull's digest of its initializers, and its rows left out as fresh, from these
-        self.initializers = client.initializers.snapshot()
-        self._table = None
         self.names = sorted(keys, key=lambda n: client.dims[n])
         sizes = [keys[n].numel() for n in self.names]
         self.sizes = sizes
@@ -57,33 +54,14 @@ class Routing:
     def assemble(self, replies: dict[int, dict]) -> dict[int, torch.Tensor]:
         """{dim: rows of every table of that dim, in order}."""
         if self.num_ps == 1:
-            return {d: self._values(0, replies[0], d) for d in self.dims}
+            return {d: replies[0][f"values/{d}"] for d in self.dims}
         out = {}
         for d, (start, end) in self.spans.items():
             out[d] = torch.empty(end - start, d)
             for ps, tensors in replies.items():
                 if f"values/{d}" in tensors:
-                    out[d][self._within(ps, d)] = self._values(ps, tensors, d)
+                    out[d][self._within(ps, d)] = tensors[f"values/{d}"]
         return out
-
-    def _values(self, ps: int, tensors: dict, dim: int) -> torch.Tensor:
-        """PS `ps`'s rows of `dim`, with those it left out as fresh filled in (fresh.py)."""
-        values = tensors[f"values/{dim}"]
-        if f"fresh/{dim}" not in tensors:
-            return values
-        start, end = self.spans[dim]
-        if self._table is None:  # each row's table (index into names)
-            self._table = torch.repeat_interleave(torch.arange(len(self.names)), torch.tensor(self.sizes))
-        table, keys = self._table[start:end], self.flat[start:end]
-        if self.num_ps > 1:
-            within = self._within(ps, dim)
-            table, keys = table[within], keys[within]
-        try:
-            return self.initializers.fill(values, tensors[f"fresh/{dim}"], keys, self.names, table, dim)
-        except ValueError as err:
-            from deeprec.distributed.ps.client import PSError  # (client imports this module)
-
-            raise PSError(f"PS {ps}: a Pull's reply does not fit its request: {err}") from None
 
     def split(self, by_dim: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
         """{table: its rows}: views of the per-dim tensors."""

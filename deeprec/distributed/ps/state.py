@@ -2,12 +2,10 @@
 
 Requests are `deeprec.distributed.ps.wire` messages. Rows travel fused, not per variable:
 
-    Pull   header {"embeddings": [names], "dense": [names], "train": bool, "omit_fresh"?: digest}
+    Pull   header {"embeddings": [names], "dense": [names], "train": bool}
            tensors keys int64 [N] (variable by variable), counts int64 [len(embeddings)]
       ->   values/{dim} float32 [N_dim, dim] (the rows of the variables of that dim, in
-           request order), dense/{name} each dense variable's value; with omit_fresh (the digest
-           of the pull's initializers, equal to the PS's), a dim may leave out the rows the pull
-           created: fresh/{dim} bool [N_dim] marks them (fresh.py)
+           request order), dense/{name} each dense variable's value
     Push   header {"embeddings", "dense", "step"?, "workers"?}
            tensors keys, counts, grads/{dim} [N_dim, dim], dense/{name} gradients
            or, with "pulled": seq, no keys nor counts: the keys of that training pull of the
@@ -29,7 +27,6 @@ from dataclasses import dataclass
 
 import torch
 
-from deeprec.distributed.ps.fresh import combined_digest, held_rows, matrix_digest
 from deeprec.distributed.ps.pulled import PulledRows
 from deeprec.distributed.ps.store import DenseGroup, EmbeddingArena, load_bytes, row_bytes
 from deeprec.distributed.ps.tiered import TieredArena
@@ -71,7 +68,6 @@ class ShardState:
         self.arenas: dict[tuple, EmbeddingArena] = {}  # (dim, optimizer, lr) -> arena
         self.groups: dict[tuple, DenseGroup] = {}  # (optimizer, lr) -> dense group
         self.embeddings: dict[str, tuple[EmbeddingArena, int]] = {}  # name -> (arena, variable id)
-        self.initializers: dict[str, str] = {}  # name -> digest of its initializer matrix (fresh.py)
         self.dense: dict[str, DenseGroup] = {}
         self.generation = 0  # how many checkpoint restores this shard has taken
         self.applied_step = 0  # last step whose (sync: averaged) update is applied
@@ -156,16 +152,12 @@ class ShardState:
                 if tensor is None:
                     tensor = InitializerOption().matrix(key[0])
                 self.embeddings[name] = (arena, arena.add(name, tensor))
-                if type(arena) is EmbeddingArena:  # a worker holding the same matrix is not sent new rows (fresh.py)
-                    self.initializers[name] = matrix_digest(tensor)
             else:
                 if key not in self.groups:
                     self.groups[key] = DenseGroup(make_optimizer(*key))
                 self.groups[key].add(name, tensor)
                 self.dense[name] = self.groups[key]
-        held = {spec.get("name") for spec in variables}
-        return {"variables": self.names(),
-                "initializers": {n: d for n, d in self.initializers.items() if n in held}}, {}
+        return {"variables": self.names()}, {}
 
     # -- requests ------------------------------------------------------------------------
     def _rows_request(self, header: dict, tensors: dict, prefix: str) -> list[_Part]:
@@ -232,12 +224,10 @@ class ShardState:
         An evaluation pull (train false) whose rows pass `max_reply` bytes is cut to the prefix of its
         keys that fits: the reply's header then says {"rows": m} (of the request's keys, in order), and
         the client asks for the rest (PSClient). A training pull is answered whole (its keys are a batch's)."""
-        _check_fields(header, ("embeddings", "dense", "train", "omit_fresh"), "Pull")
-        train, omit = header.get("train", True), header.get("omit_fresh")
+        _check_fields(header, ("embeddings", "dense", "train"), "Pull")
+        train = header.get("train", True)
         if not isinstance(train, bool):
             raise WireError(f"Pull: header 'train' must be true or false, got {train!r}")
-        if omit is not None and not isinstance(omit, str):
-            raise WireError(f"Pull: header 'omit_fresh' must be the digest of the pull's initializers, got {omit!r}")
         parts, dense = self._rows_request(header, tensors, prefix), self._dense_names(header)
         reply = {}
         if parts:
@@ -255,9 +245,7 @@ class ShardState:
         client = header.get("client") if client is None else client
         # the keys stay a view of the request unless it holds more (a PushPull's gradients)
         pulled = (header.get("seq"), header.get("embeddings"), prefix == "")
-        # the rows it creates are left out only for a worker holding the same initializers (fresh.py)
-        omit = train and omit is not None and omit == combined_digest(self.initializers, header.get("embeddings", []))
-        return train, parts, dense, reply, client if train and isinstance(client, str) else None, pulled, omit
+        return train, parts, dense, reply, client if train and isinstance(client, str) else None, pulled
 
     def _first_rows(self, header: dict, tensors: dict, prefix: str, dense: list) -> tuple[list, int]:
         """The parts of the longest prefix of the request's keys whose rows fit `max_reply` (at least one key)."""
@@ -272,17 +260,10 @@ class ShardState:
         return self._rows_request(header, {prefix + "keys": keys[:rows], prefix + "counts": cut}, prefix), rows
 
     def pull_run(self, plan: tuple) -> tuple[dict, dict]:
-        train, parts, dense, reply, client, (seq, names, view), omit = plan
+        train, parts, dense, reply, client, (seq, names, view) = plan
         out, found = {}, {}
         for dim in dict.fromkeys(p.dim for p in parts):
             mine = [p for p in parts if p.dim == dim]
-            if omit and len(mine) == 1 and mine[0].position is None and type(mine[0].arena) is EmbeddingArena:
-                p = mine[0]  # the rows this pull creates are left out: the worker knows them (fresh.py)
-                rows, repeated, fresh = p.arena.rows_created(p.ns, p.keys, insert=True)
-                found[id(p)] = (rows, repeated)
-                held, out[f"fresh/{dim}"] = held_rows(rows, fresh)
-                out[f"values/{dim}"] = p.arena.gather(held)
-                continue
             values = torch.empty(sum(p.keys.numel() for p in mine), dim)
             for p in mine:
                 rows, repeated = p.arena.rows(p.ns, p.keys, insert=train)

@@ -100,11 +100,6 @@ class EmbeddingArena:
     def rows(self, ns: torch.Tensor, keys: torch.Tensor, insert: bool) -> tuple[torch.Tensor, int]:
         """(row of each (variable id, key), how many repeat an earlier pair). A pair not held
         reads -1, unless `insert` creates it (from its variable's initializer, one row per pair)."""
-        rows, repeated, _ = self.rows_created(ns, keys, insert)
-        return rows, repeated
-
-    def rows_created(self, ns: torch.Tensor, keys: torch.Tensor, insert: bool) -> tuple[torch.Tensor, int, torch.Tensor]:
-        """`rows`, and the places (positions of `keys`) whose row this call created."""
         if insert:
             self._reserve(keys.numel())
         # one op: rows found (or created: their keys written), repeats counted, (insert:) freq counted
@@ -117,7 +112,7 @@ class EmbeddingArena:
                                            [float(specs[name][0]) for name in self.slots], self._default_matrix,
                                            self._default_offset, self._default_count)
             self.size += fresh.numel()
-        return rows, int(repeated), fresh
+        return rows, int(repeated)
 
     def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """weight[rows]; a row -1 (a key never trained) reads zeros."""
