@@ -181,17 +181,13 @@ def _bag_calls(fast, batch) -> int:
     """How many times one forward of `fast` runs the native bag layout."""
     native, seen = torch.ops.deeprec.prepare_bags, []
 
-    class Counting:
-        def __call__(self, *args, **kwargs):
-            seen.append(1)
-            return native(*args, **kwargs)
+    def counting(*args, **kwargs):
+        seen.append(1)
+        return native(*args, **kwargs)
 
-    torch.ops.deeprec.prepare_bags = Counting()
-    try:
-        with torch.no_grad():
-            fast(batch)
-    finally:
-        torch.ops.deeprec.prepare_bags = native
+    with pytest.MonkeyPatch.context() as patch, torch.no_grad():
+        patch.setattr(torch.ops.deeprec, "prepare_bags", counting)
+        fast(batch)
     return len(seen)
 
 
