@@ -128,8 +128,8 @@ def test_a_non_finite_loss_saves_the_step_before_it(tmp_path, sample):
     trainer = Trainer(_cfg(sample, tmp_path, steps=6, batch_size=32, on_nan="raise"))
     to_batch, count = trainer.train_reader._to_batch, [0]
 
-    def poisoned(table):  # the third batch holds an inf
-        batch = to_batch(table)
+    def poisoned(*rows):  # the third batch holds an inf
+        batch = to_batch(*rows)
         count[0] += 1
         if count[0] == 3:
             batch["I2"][0] = float("inf")
@@ -148,8 +148,8 @@ def test_an_error_inside_a_step_is_not_saved(tmp_path, sample):
     trainer = Trainer(_cfg(sample, tmp_path, steps=6, batch_size=32))
     to_batch, count = trainer.train_reader._to_batch, [0]
 
-    def broken(table):
-        batch = to_batch(table)
+    def broken(*rows):
+        batch = to_batch(*rows)
         count[0] += 1
         if count[0] == 3:
             batch["I2"] = batch["I2"][:-1]  # one value short: the model's torch.stack fails

@@ -99,8 +99,8 @@ def _poisoned_trainer(tmp_path, sample, on_nan, steps=6, poison_batch=3):
     trainer = Trainer(cfg)
     to_batch, count = trainer.train_reader._to_batch, [0]
 
-    def poisoned(table):  # what a reader bug, a bad feature op or an overflow would hand the model
-        batch = to_batch(table)
+    def poisoned(*rows):  # what a reader bug, a bad feature op or an overflow would hand the model
+        batch = to_batch(*rows)
         count[0] += 1
         if count[0] == poison_batch:
             batch["I2"][0] = float("inf")

@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import torch.utils.data
 
+from deeprec.data.chunk_batches import ChunkBatches
 from deeprec.errors import ConfigError, DataError, EmptyShardError, check_choice
 
 log = logging.getLogger("deeprec.data")
@@ -225,16 +226,19 @@ class BatchReader(torch.utils.data.IterableDataset):
                 tables = _shuffle(tables, self.shuffle_buffer, rng)
             yielded = self._batches_in_epoch > 0 and not skip  # batches before the position were yielded
             position = done  # rows of the stream through the last batch
-            for table in _rebatch(tables, self.batch_size, self.drop_remainder):
+            chunk = None  # the table being cut into batches, converted once (at its first batch not skipped)
+            for table, start, stop in _batch_ranges(tables, self.batch_size, self.drop_remainder):
                 yielded = True
-                position += table.num_rows
+                position += stop - start
                 if skip:
                     skip -= 1
                     continue
-                batch = self._to_batch(table)
+                if chunk is None or chunk.table is not table:
+                    chunk = ChunkBatches(self.columns, table)
+                batch = self._to_batch(chunk, start, stop)
                 self._batches_in_epoch += 1
                 self.stats.batches += 1
-                self.stats.rows += table.num_rows
+                self.stats.rows += stop - start
                 if track:
                     while len(starts) > 1 and starts[1][1] < position:
                         starts.pop(0)
@@ -290,8 +294,9 @@ class BatchReader(torch.utils.data.IterableDataset):
             return f"no data{where}: use fewer shards or more files"
         return f"no data rows{where} (the files hold no rows, or only a header)"
 
-    def _to_batch(self, table: pa.Table) -> dict:
-        return self.columns.to_batch(table)
+    def _to_batch(self, chunk: ChunkBatches, start: int, stop: int) -> dict:
+        """Rows [start, stop) of the converted chunk: the raw batch."""
+        return chunk.rows(start, stop)
 
 
 def _counted(table: pa.Table, seen: dict) -> pa.Table:
@@ -320,7 +325,10 @@ def _shuffle(tables: Iterator[pa.Table], size: int, rng: np.random.Generator) ->
         yield held.take(rng.permutation(held.num_rows))
 
 
-def _rebatch(tables: Iterator[pa.Table], batch_size: int, drop_remainder: bool) -> Iterator[pa.Table]:
+def _batch_ranges(tables: Iterator[pa.Table], batch_size: int,
+                  drop_remainder: bool) -> Iterator[tuple[pa.Table, int, int]]:
+    """(table, start, stop): batch_size rows at a time of the tables' rows, as row ranges of merged
+    tables (one per incoming table, the previous one's remainder ahead of its rows)."""
     pending: list[pa.Table] = []
     pending_rows = 0
     for table in tables:
@@ -331,12 +339,18 @@ def _rebatch(tables: Iterator[pa.Table], batch_size: int, drop_remainder: bool) 
         merged = pa.concat_tables(pending).combine_chunks()
         start = 0
         while merged.num_rows - start >= batch_size:
-            yield merged.slice(start, batch_size)
+            yield merged, start, start + batch_size
             start += batch_size
         pending = [merged.slice(start)]
         pending_rows = merged.num_rows - start
     if pending_rows and not drop_remainder:
-        yield pa.concat_tables(pending).combine_chunks()
+        merged = pa.concat_tables(pending).combine_chunks()
+        yield merged, 0, merged.num_rows
+
+
+def _rebatch(tables: Iterator[pa.Table], batch_size: int, drop_remainder: bool) -> Iterator[pa.Table]:
+    for table, start, stop in _batch_ranges(tables, batch_size, drop_remainder):
+        yield table.slice(start, stop - start)
 
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
