@@ -7,7 +7,7 @@ import pyarrow.csv as pacsv
 import pytest
 import torch
 
-from deeprec.data import CRITEO_SCHEMA, CriteoReader, write_synthetic
+from deeprec.data import CRITEO_SCHEMA, CriteoReader, ParquetReader, write_parquet, write_synthetic
 from deeprec.data.chunk_batches import ChunkBatches
 from deeprec.data.csv import PARSE_BLOCK_BYTES
 from deeprec.errors import DataError
@@ -106,3 +106,18 @@ def test_bad_rows_in_a_later_parse_block_are_named_by_their_line(tsv, tmp_path, 
     assert rows == ROWS - 2 and skipping.stats.bad_rows == 2
     examples = "\n".join(skipping.stats.bad_row_examples)
     assert f"{bad}:41:" in examples and f"{bad}:{late + 1}:" in examples and "expected 40 fields, found 2" in examples
+
+
+def test_parquet_batches_are_the_same_on_one_thread_or_two(tsv, tmp_path):
+    path = str(tmp_path / "criteo.parquet")
+    write_parquet(CriteoReader(tsv, 4096), path, row_group_rows=5000)
+    saved, read = torch.get_num_threads(), {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            read[threads] = list(ParquetReader(path, 700))
+    finally:
+        torch.set_num_threads(saved)
+    assert len(read[1]) == len(read[2]) == -(-ROWS // 700)
+    for g, w in zip(read[2], read[1]):
+        assert_same(g, w)

@@ -299,6 +299,13 @@ class BatchReader(torch.utils.data.IterableDataset):
         return chunk.rows(start, stop)
 
 
+def arrow_threads() -> bool:
+    """Whether a read may use Arrow's thread pool: where the calling thread's intra-op budget has more than one
+    core (a reader inline in the training loop). A stage thread or a DataLoader worker has one: background
+    threads plus the step's stay within the cores."""
+    return torch.get_num_threads() > 1
+
+
 def _counted(table: pa.Table, seen: dict) -> pa.Table:
     seen["rows"] += table.num_rows
     return table
