@@ -42,6 +42,10 @@ CHILD = {
                    "out = dict(samples_per_s=rate, all_samples_per_s=result['samples_per_s'], "
                    "cpu_samples_per_s=result['rows'] / (time.process_time() - cpu), final_loss=result['final_loss'])",
     "step alone": "out = dict(samples_per_s=e2e.step_alone_rate({data!r}, {steps}))",
+    # the reader alone: the TSV's batches of 512 as `deeprec train` gets them (parsed, converted), after 20
+    "read": "import itertools, time\nit = iter(deeprec.data.CriteoReader({data!r}, 512))\n"
+            "list(itertools.islice(it, 20))\nstart = time.perf_counter()\nn = sum(1 for _ in itertools.islice(it, {steps}))\n"
+            "out = dict(samples_per_s=n * 512 / (time.perf_counter() - start))",
     # Wide & Deep (two FeatureEmbedders over the same ids), `deeprec train` as is and with SmartStage auto
     "train plain wdl": "rate, result = e2e.train_rate({data!r}, {steps} + 50, model='wdl')\n"
                        "out = dict(samples_per_s=rate, final_loss=result['final_loss'])",
