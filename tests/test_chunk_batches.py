@@ -3,11 +3,13 @@ Arrow's threads (deeprec/data/csv.py): the same batches as converting each batch
 the chunk size, the thread budget or the batch boundaries; bad rows still located by file line."""
 from __future__ import annotations
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.csv as pacsv
 import pytest
 import torch
 
-from deeprec.data import CRITEO_SCHEMA, CriteoReader, ParquetReader, write_parquet, write_synthetic
+from deeprec.data import CRITEO_SCHEMA, Column, CriteoReader, ParquetReader, Schema, write_parquet, write_synthetic
 from deeprec.data.chunk_batches import ChunkBatches
 from deeprec.data.csv import PARSE_BLOCK_BYTES
 from deeprec.errors import DataError
@@ -108,16 +110,93 @@ def test_bad_rows_in_a_later_parse_block_are_named_by_their_line(tsv, tmp_path, 
     assert f"{bad}:41:" in examples and f"{bad}:{late + 1}:" in examples and "expected 40 fields, found 2" in examples
 
 
-def test_parquet_batches_are_the_same_on_one_thread_or_two(tsv, tmp_path):
+def test_parquet_batches_equal_the_tsvs(tsv, tmp_path):
     path = str(tmp_path / "criteo.parquet")
     write_parquet(CriteoReader(tsv, 4096), path, row_group_rows=5000)
-    saved, read = torch.get_num_threads(), {}
+    got, want = list(ParquetReader(path, 700)), expected_batches(tsv, 700)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert_same(g, w)
+
+
+def test_every_column_kind_cut_from_a_chunk_is_its_rows():
+    schema = Schema((Column("score", "label", positive_at=3.5), Column("w", "weight"), Column("d", "dense"),
+                     Column("cat", "categorical", dtype="int"), Column("s", "categorical"),
+                     Column("ids", "sequence", dtype="int", max_length=3), Column("words", "sequence")))
+    rng = np.random.default_rng(0)
+    n = 3000
+    table = pa.table({
+        "score": pa.array(rng.uniform(0, 5, n), pa.float32()),
+        "w": pa.array([None if k % 7 == 0 else 0.5 for k in range(n)], pa.float32()),
+        "d": pa.array([None if k % 5 == 0 else float(k) for k in range(n)], pa.float32()),
+        "cat": pa.array([None if k % 3 == 0 else k for k in range(n)], pa.int64()),
+        "s": pa.array([b"" if k % 4 == 0 else b"v%d" % k for k in range(n)], pa.binary()),
+        "ids": pa.array(["|".join(str(k + j) for j in range(k % 6)) for k in range(n)]),
+        "words": pa.array(["|".join(f"w{j}" for j in range(k % 4)) for k in range(n)]),
+    })
+    chunk = ChunkBatches(schema, table)
+    for start, stop in [(0, 1), (0, n), (5, 700), (2999, 3000), (100, 100)]:
+        got, want = chunk.rows(start, stop), schema.to_batch(table.slice(start, stop - start))
+        for name in ("ids", "words"):  # nested and flat sequences: offsets from 0, every item of the rows
+            assert got[name].tolist() == want[name].tolist() and int(got[name].offsets[0]) == 0
+        assert_same({k: v for k, v in got.items() if k != "words"}, {k: v for k, v in want.items() if k != "words"})
+
+
+def _read_all(path: str, threads: int, **options):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            read[threads] = list(ParquetReader(path, 700))
+        reader = CriteoReader(path, 512, **options)
+        return list(reader), reader.stats
     finally:
         torch.set_num_threads(saved)
-    assert len(read[1]) == len(read[2]) == -(-ROWS // 700)
-    for g, w in zip(read[2], read[1]):
-        assert_same(g, w)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_of_the_wrong_width_in_several_parse_blocks_are_named_in_file_order(tsv, tmp_path, threads):
+    lines = open(tsv, "rb").read().splitlines(keepends=True)
+    at = [200, 6000, 11900]  # 0-based: one in each of the file's first, middle and last parse blocks
+    for k in at:
+        lines[k] = b"0\t1\t2\n"
+    bad = tmp_path / "widths.tsv"
+    bad.write_bytes(b"".join(lines))
+    with pytest.raises(DataError, match=rf"{bad}:201"):
+        _read_all(str(bad), threads)
+    batches, stats = _read_all(str(bad), threads, on_bad_row="skip")
+    assert sum(int(b["label"].numel()) for b in batches) == ROWS - 3 and stats.bad_rows == 3
+    named = [int(e.split(f"{bad}:")[1].split(":")[0]) for e in stats.bad_row_examples]
+    assert named == [k + 1 for k in at]
+
+
+def _quoted_csv(path, rows: int, broken_at: int | None = None) -> None:
+    """A CSV with a header whose C1 values are quoted and hold newlines (a field over six lines: most newlines
+    of the file are inside quotes, where a block cut at a newline would cut a row)."""
+    names = ["label", *(f"I{i}" for i in range(1, 14)), *(f"C{i}" for i in range(1, 27))]
+    out = [",".join(names)]
+    for k in range(rows):
+        c1 = f'"a{k}\n\n\n\n\nb"' if k != broken_at else f'"open{k}'  # an unclosed quote swallows the lines after it
+        out.append(",".join([str(k % 2), *(str(k % 9) for _ in range(13)), c1, *(f"x{k % 50}" for _ in range(25))]))
+    path.write_text("\n".join(out) + "\n")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_quoted_fields_holding_newlines_across_parse_blocks(tmp_path, threads):
+    path = tmp_path / "quoted.csv"
+    _quoted_csv(path, 20_000)
+    assert path.stat().st_size > 2 * PARSE_BLOCK_BYTES
+    batches, stats = _read_all(str(path), threads)
+    c1 = [v for b in batches for v in b["C1"].tolist()]
+    assert stats.bad_rows == 0 and c1 == [b"a%d\n\n\n\n\nb" % k for k in range(20_000)]
+
+
+def test_an_unclosed_quote_is_refused_the_same_on_one_thread_or_two(tmp_path):
+    path = tmp_path / "unclosed.csv"
+    _quoted_csv(path, 20_000, broken_at=15_000)  # in the file's last parse block
+    read = {}
+    for threads in (1, 2):
+        with pytest.raises(DataError, match="unbalanced quote"):
+            _read_all(str(path), threads)
+        batches, stats = _read_all(str(path), threads, on_bad_row="skip")
+        read[threads] = (sum(int(b["label"].numel()) for b in batches), stats.bad_rows)
+    # the open quote runs on into the next row's quoted field: those two rows are lost, and counted
+    assert read[2] == read[1] and read[1][0] == 20_000 - 2 and read[1][1] > 0

@@ -171,7 +171,8 @@ def stop_inside(proc, folder: Path, prefix: str, timeout: float, tries: int = 20
 
 def settled_at_last_delta(rig: Rig) -> int | None:
     """The last delta's step once serving runs it, no delta is being written and none came while serving
-    looked at the folder twice more; None before."""
+    looked at the folder 10 more times (2 s: the step in flight at the cut writes its delta within ms);
+    None before."""
     def at_last() -> int | None:
         writing = [n for n in os.listdir(rig.export_dir) if n.startswith(".delta-")]
         last = rig.deltas()[-1]
@@ -180,7 +181,7 @@ def settled_at_last_delta(rig: Rig) -> int | None:
     last = at_last()
     if last is None:
         return None
-    rig.looks(2)
+    rig.looks(10)
     return last if at_last() == last else None
 
 

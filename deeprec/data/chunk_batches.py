@@ -22,10 +22,11 @@ class ChunkBatches:
     def __init__(self, schema, table: pa.Table):
         self.table = table
         self.converted = schema.to_batch(table)
+        self.names = list(self.converted)  # the schema's column order
         # the flat Raggeds (values a tensor): their offsets side by side, rebased per batch in one op
-        self.flat = [name for name, v in self.converted.items()
-                     if isinstance(v, Ragged) and isinstance(v.values, torch.Tensor)]
-        self.offsets = torch.stack([self.converted[n].offsets for n in self.flat]) if self.flat else None
+        self.flat = {name: v.values for name, v in self.converted.items()
+                     if isinstance(v, Ragged) and isinstance(v.values, torch.Tensor)}
+        self.offsets = torch.stack([self.converted.pop(n).offsets for n in self.flat]) if self.flat else None
 
     def rows(self, start: int, stop: int) -> dict:
         batch = {}
@@ -34,11 +35,9 @@ class ChunkBatches:
             first = window[:, :1]
             rebased = window - first  # [columns, rows + 1], a fresh tensor: each row of it contiguous
             bounds = torch.cat([first, window[:, -1:]], 1).tolist()
-            for k, name in enumerate(self.flat):
+            for k, (name, values) in enumerate(self.flat.items()):
                 a, b = bounds[k]
-                batch[name] = Ragged(self.converted[name].values[a:b], rebased[k])
+                batch[name] = Ragged(values[a:b], rebased[k])
         for name, value in self.converted.items():
-            if name in batch:
-                continue
             batch[name] = value.slice_rows(start, stop) if isinstance(value, Ragged) else value[start:stop]
-        return {name: batch[name] for name in self.converted}  # the schema's column order
+        return {name: batch[name] for name in self.names}

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from deeprec.data import fs, ranged
 from deeprec.data.criteo import CRITEO_SCHEMA
-from deeprec.data.reader import BatchReader, Place, arrow_threads, resolve_paths
+from deeprec.data.reader import BatchReader, Place, resolve_paths
 from deeprec.data.schema import Schema, check_values, parse_numbers
 from deeprec.data.tables import partition_values
 from deeprec.errors import DataError
@@ -68,7 +68,7 @@ class ParquetReader(BatchReader):
         try:
             reader = fs.open_parquet(path, self._versions[path])
             batches = reader.iter_batches(batch_size=READ_ROWS, row_groups=[group],
-                                          columns=self._file_columns(path), use_threads=arrow_threads())
+                                          columns=self._file_columns(path), use_threads=False)
             for batch in batches:
                 table = self._with_partitions(path, pa.Table.from_batches([batch]))
                 done += batch.num_rows

@@ -299,13 +299,6 @@ class BatchReader(torch.utils.data.IterableDataset):
         return chunk.rows(start, stop)
 
 
-def arrow_threads() -> bool:
-    """Whether a read may use Arrow's thread pool: where the calling thread's intra-op budget has more than one
-    core (a reader inline in the training loop). A stage thread or a DataLoader worker has one: background
-    threads plus the step's stay within the cores."""
-    return torch.get_num_threads() > 1
-
-
 def _counted(table: pa.Table, seen: dict) -> pa.Table:
     seen["rows"] += table.num_rows
     return table
@@ -335,10 +328,10 @@ def _shuffle(tables: Iterator[pa.Table], size: int, rng: np.random.Generator) ->
 def _batch_ranges(tables: Iterator[pa.Table], batch_size: int,
                   drop_remainder: bool) -> Iterator[tuple[pa.Table, int, int]]:
     """(table, start, stop): batch_size rows at a time of the tables' rows, as row ranges of merged
-    tables (one per incoming table, the previous one's remainder ahead of its rows)."""
+    tables (one per incoming table or WINDOW_ROWS of it, the previous one's remainder ahead of its rows)."""
     pending: list[pa.Table] = []
     pending_rows = 0
-    for table in tables:
+    for table in _pieces(tables):
         pending.append(table)
         pending_rows += table.num_rows
         if pending_rows < batch_size:
@@ -353,6 +346,18 @@ def _batch_ranges(tables: Iterator[pa.Table], batch_size: int,
     if pending_rows and not drop_remainder:
         merged = pa.concat_tables(pending).combine_chunks()
         yield merged, 0, merged.num_rows
+
+
+WINDOW_ROWS = 1 << 16  # rows converted to tensors at once (a shuffle buffer's table may hold millions)
+
+
+def _pieces(tables: Iterator[pa.Table]) -> Iterator[pa.Table]:
+    for table in tables:
+        if table.num_rows <= WINDOW_ROWS:
+            yield table
+            continue
+        for start in range(0, table.num_rows, WINDOW_ROWS):
+            yield table.slice(start, WINDOW_ROWS)
 
 
 def _rebatch(tables: Iterator[pa.Table], batch_size: int, drop_remainder: bool) -> Iterator[pa.Table]:
