@@ -2,7 +2,8 @@
 bad-row policy, resumable position.
 
     units of this shard --> read_unit (Arrow tables, valid rows only)
-        --> shuffle buffer (optional) --> re-batch to batch_size --> raw batch dict
+        --> shuffle buffer (optional) --> batch_size row ranges of merged tables
+        --> each table converted to tensors once (ChunkBatches) --> raw batch dicts, views of its rows
 
 A subclass says which units exist (`_all_units`) and how to read one
 (`_read_unit`); everything else lives here, so every reader has the same
