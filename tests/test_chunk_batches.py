@@ -26,14 +26,30 @@ def tsv(tmp_path_factory):
     return str(path)
 
 
+def whole_tsv(path: str) -> pa.Table:
+    """The whole file in one one-thread read."""
+    return pacsv.read_csv(path, read_options=pacsv.ReadOptions(column_names=list(CRITEO_SCHEMA.file_names),
+                                                                use_threads=False),
+                          parse_options=pacsv.ParseOptions(delimiter="\t", quote_char=False),
+                          convert_options=pacsv.ConvertOptions(column_types=CRITEO_SCHEMA.arrow_types(strict=True),
+                                                               strings_can_be_null=False))
+
+
 def expected_batches(path: str, batch_size: int) -> list[dict]:
     """Each batch converted alone from a one-thread read of the whole file."""
-    table = pacsv.read_csv(path, read_options=pacsv.ReadOptions(column_names=list(CRITEO_SCHEMA.file_names),
-                                                                 use_threads=False),
-                           parse_options=pacsv.ParseOptions(delimiter="\t", quote_char=False),
-                           convert_options=pacsv.ConvertOptions(column_types=CRITEO_SCHEMA.arrow_types(strict=True),
-                                                                strings_can_be_null=False))
+    table = whole_tsv(path)
     return [CRITEO_SCHEMA.to_batch(table.slice(s, batch_size)) for s in range(0, table.num_rows, batch_size)]
+
+
+def read_all(path: str, threads: int, batch_size: int = 512, **options) -> tuple[list[dict], object]:
+    """Every batch of a CriteoReader and its stats, read with a torch budget of `threads`."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        reader = CriteoReader(path, batch_size, **options)
+        return list(reader), reader.stats
+    finally:
+        torch.set_num_threads(saved)
 
 
 def assert_same(got: dict, want: dict) -> None:
@@ -52,12 +68,7 @@ def assert_same(got: dict, want: dict) -> None:
 def test_batches_equal_each_converted_alone(tsv, threads, chunk_bytes, batch_size):
     # 50 kB chunks: batches spanning two or several chunks; 4 MiB: several parse blocks on 2 threads
     want = expected_batches(tsv, batch_size)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = list(CriteoReader(tsv, batch_size, chunk_bytes=chunk_bytes))
-    finally:
-        torch.set_num_threads(saved)
+    got, _ = read_all(tsv, threads, batch_size, chunk_bytes=chunk_bytes)
     assert len(got) == len(want) and sum(int(b["label"].numel()) for b in got) == ROWS
     for g, w in zip(got, want):
         assert_same(g, w)
@@ -78,10 +89,7 @@ def test_a_resumed_reader_continues_with_the_same_batches(tsv):
 
 
 def test_a_chunk_cut_into_batches_is_its_rows(tsv):
-    table = pacsv.read_csv(tsv, read_options=pacsv.ReadOptions(column_names=list(CRITEO_SCHEMA.file_names)),
-                           parse_options=pacsv.ParseOptions(delimiter="\t", quote_char=False),
-                           convert_options=pacsv.ConvertOptions(column_types=CRITEO_SCHEMA.arrow_types(strict=True),
-                                                                strings_can_be_null=False)).slice(0, 1000)
+    table = whole_tsv(tsv).slice(0, 1000)
     chunk = ChunkBatches(CRITEO_SCHEMA, table)
     for start, stop in [(0, 1), (0, 1000), (17, 400), (999, 1000), (500, 500)]:
         assert_same(chunk.rows(start, stop), CRITEO_SCHEMA.to_batch(table.slice(start, stop - start)))
@@ -95,18 +103,13 @@ def test_bad_rows_in_a_later_parse_block_are_named_by_their_line(tsv, tmp_path, 
     lines[40] = lines[40].replace(b"\t", b"\tx", 1)  # I1 = "x...": not a number
     bad = tmp_path / "bad.tsv"
     bad.write_bytes(b"".join(lines))
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with pytest.raises(DataError) as raised:
-            list(CriteoReader(str(bad), 512))
-        skipping = CriteoReader(str(bad), 512, on_bad_row="skip")
-        rows = sum(int(b["label"].numel()) for b in skipping)
-    finally:
-        torch.set_num_threads(saved)
+    with pytest.raises(DataError) as raised:
+        read_all(str(bad), threads)
+    batches, stats = read_all(str(bad), threads, on_bad_row="skip")
+    rows = sum(int(b["label"].numel()) for b in batches)
     assert f"{bad}:41" in str(raised.value)  # the first bad row in the file: line 41
-    assert rows == ROWS - 2 and skipping.stats.bad_rows == 2
-    examples = "\n".join(skipping.stats.bad_row_examples)
+    assert rows == ROWS - 2 and stats.bad_rows == 2
+    examples = "\n".join(stats.bad_row_examples)
     assert f"{bad}:41:" in examples and f"{bad}:{late + 1}:" in examples and "expected 40 fields, found 2" in examples
 
 
@@ -142,16 +145,6 @@ def test_every_column_kind_cut_from_a_chunk_is_its_rows():
         assert_same({k: v for k, v in got.items() if k != "words"}, {k: v for k, v in want.items() if k != "words"})
 
 
-def _read_all(path: str, threads: int, **options):
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        reader = CriteoReader(path, 512, **options)
-        return list(reader), reader.stats
-    finally:
-        torch.set_num_threads(saved)
-
-
 @pytest.mark.parametrize("threads", [1, 2])
 def test_rows_of_the_wrong_width_in_several_parse_blocks_are_named_in_file_order(tsv, tmp_path, threads):
     lines = open(tsv, "rb").read().splitlines(keepends=True)
@@ -161,8 +154,8 @@ def test_rows_of_the_wrong_width_in_several_parse_blocks_are_named_in_file_order
     bad = tmp_path / "widths.tsv"
     bad.write_bytes(b"".join(lines))
     with pytest.raises(DataError, match=rf"{bad}:201"):
-        _read_all(str(bad), threads)
-    batches, stats = _read_all(str(bad), threads, on_bad_row="skip")
+        read_all(str(bad), threads)
+    batches, stats = read_all(str(bad), threads, on_bad_row="skip")
     assert sum(int(b["label"].numel()) for b in batches) == ROWS - 3 and stats.bad_rows == 3
     named = [int(e.split(f"{bad}:")[1].split(":")[0]) for e in stats.bad_row_examples]
     assert named == [k + 1 for k in at]
@@ -184,7 +177,7 @@ def test_quoted_fields_holding_newlines_across_parse_blocks(tmp_path, threads):
     path = tmp_path / "quoted.csv"
     _quoted_csv(path, 20_000)
     assert path.stat().st_size > 2 * PARSE_BLOCK_BYTES
-    batches, stats = _read_all(str(path), threads)
+    batches, stats = read_all(str(path), threads)
     c1 = [v for b in batches for v in b["C1"].tolist()]
     assert stats.bad_rows == 0 and c1 == [b"a%d\n\n\n\n\nb" % k for k in range(20_000)]
 
@@ -195,8 +188,8 @@ def test_an_unclosed_quote_is_refused_the_same_on_one_thread_or_two(tmp_path):
     read = {}
     for threads in (1, 2):
         with pytest.raises(DataError, match="unbalanced quote"):
-            _read_all(str(path), threads)
-        batches, stats = _read_all(str(path), threads, on_bad_row="skip")
+            read_all(str(path), threads)
+        batches, stats = read_all(str(path), threads, on_bad_row="skip")
         read[threads] = (sum(int(b["label"].numel()) for b in batches), stats.bad_rows)
     # the open quote runs on into the next row's quoted field: those two rows are lost, and counted
     assert read[2] == read[1] and read[1][0] == 20_000 - 2 and read[1][1] > 0
