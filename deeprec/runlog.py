@@ -3,7 +3,7 @@
     every --log-every steps   train/loss            mean loss of the window's steps
                               train/samples_per_s   rows trained per second over the window
                               time/step_ms          wall time per step over the window
-                              time/stage_ms         SmartStage's stage per batch (its runner threads)
+                              time/stage_ms         SmartStage's stage per batch (inline or on its threads)
                               ps/*, collective/*, tiers/*   what the Strategy counts
                                                     (deeprec.runtime.strategy.Strategy.counters)
     each evaluation           eval/auc, eval/logloss, eval/gauc, eval/recall@K, eval/ndcg@K,

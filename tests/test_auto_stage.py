@@ -54,6 +54,8 @@ def test_auto_trains_every_batch_once_whatever_it_picks(unique_tsv, monkeypatch,
         want_states.append(plain_reader.state_dict())
     assert got_ids == want_ids  # 50 batches: calibration, trials and the rest, none lost or repeated
     assert got_states == want_states  # checkpoints record the right reader position throughout
+    stats = fast.prefetch_stats  # one count across the phases, inline ones too (--log-dir's time/stage_ms)
+    assert stats.taken == len(want_states) and stats.stage_seconds > 0 and stats.dropped == 0
     decision = fast.auto_decision
     assert decision.executor == forced and decision.reason and forced in decision.summary()
     if forced != "off":

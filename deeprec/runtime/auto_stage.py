@@ -22,6 +22,7 @@ import time
 import torch
 
 from deeprec.runtime.hook import PrefetchHook
+from deeprec.runtime.prefetch import PrefetchStats
 
 W, T = 8, 12  # batches per inline phase and per trial; the first few of each are warm-up
 WARM = 2
@@ -69,6 +70,7 @@ def run_auto(fast, reader, step, before_step=None):
     phase = {"name": "calibration", "mode": "off", "threads": cores}  # where a run that stops early ended
     iterator = iter(reader)
     stage_s, step_all, step_fewer = [], [], []
+    stats = fast.prefetch_stats = PrefetchStats()  # every phase counts here: --log-dir's time/stage_ms inline too
 
     def inline(count: int, threads: int, steps: list):
         torch.set_num_threads(threads)
@@ -82,6 +84,8 @@ def run_auto(fast, reader, step, before_step=None):
             state = reader.state_dict() if hasattr(reader, "state_dict") else None
             item = fast.stage(raw)
             t1 = time.perf_counter()
+            stats.pulled, stats.prefetched, stats.taken = stats.pulled + 1, stats.prefetched + 1, stats.taken + 1
+            stats.stage_seconds += t1 - t0
             if before_step is not None:
                 before_step()
             out = step(item)
@@ -94,8 +98,7 @@ def run_auto(fast, reader, step, before_step=None):
         options = dataclasses.replace(fast.config.smart_stage_options, executor=executor)
         phase.update(name=f"{executor} trial" if limit is not None else phase["name"], mode=executor, threads=threads)
         last_state = None
-        with PrefetchHook(fast, source, options=options, main_threads=threads) as hook:
-            fast.prefetch_stats = hook.stats
+        with PrefetchHook(fast, source, options=options, main_threads=threads, stats=stats) as hook:
             batches = iter(hook)
             started = time.perf_counter()
             for n, item in enumerate(batches, 1):

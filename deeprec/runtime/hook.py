@@ -24,7 +24,7 @@ class PrefetchHook:
     `with` block lasts; iterating yields `StagedBatch`es for `fast(...)`.
     Every thread is joined on exit, whatever ends the block."""
 
-    def __init__(self, fast, reader, options=None, main_threads: int | None = None):
+    def __init__(self, fast, reader, options=None, main_threads: int | None = None, stats=None):
         if not fast.staged:
             raise ValueError("make_prefetch_hook needs a model with a stage: use "
                              "dr.Config(smart_stage=True) or dr.staged(...) in forward")
@@ -33,6 +33,7 @@ class PrefetchHook:
         if self.options.executor == "auto":  # a hand-written loop runs the stage ahead in a thread
             self.options = dataclasses.replace(self.options, executor="thread")
         self.main_threads = main_threads
+        self._stats = stats  # a PrefetchStats to count on (SmartStage auto's, across its phases)
         self.runner: PrefetchRunner | None = None
         self._saved_threads = None
 
@@ -50,7 +51,7 @@ class PrefetchHook:
         after_stage = _start_pulls(self.fast.async_lookups, self.fast.tier_lookups) \
             if self.fast.async_lookups or self.fast.tier_lookups else None
         self.runner = PrefetchRunner(self.reader, self.fast.partition.stage, opts, pool=pool,
-                                     transfer=transfer, after_stage=after_stage, name=opts.name)
+                                     transfer=transfer, after_stage=after_stage, name=opts.name, stats=self._stats)
         return self
 
     def __iter__(self):

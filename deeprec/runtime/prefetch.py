@@ -58,9 +58,10 @@ class StagedBatch:
 class PrefetchRunner:
     def __init__(self, source: Iterable, stage_fn: Callable[[Any], tuple], options: SmartStageOptions,
                  *, pool: ThreadPoolOptions | None = None, transfer: Callable[[tuple], tuple] | None = None,
-                 after_stage: Callable[[tuple], None] | None = None, name: str | None = None):
+                 after_stage: Callable[[tuple], None] | None = None, name: str | None = None,
+                 stats: PrefetchStats | None = None):
         self.options = options
-        self.stats = PrefetchStats()
+        self.stats = stats if stats is not None else PrefetchStats()  # shared: counts go on across runners
         self.name = name or options.name or "stage"
         self._source = source
         self._process_source = None
