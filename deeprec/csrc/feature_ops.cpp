@@ -16,7 +16,6 @@
 //        "farmhash": FarmHash Fingerprint64 (farmhashna::Hash64), TensorFlow's
 //        tf.strings.to_hash_bucket_fast.
 // Other devices: the CPU kernels run on a host copy (the stage runs on CPU by design).
-#include <Python.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -28,14 +27,6 @@
 #include <cstring>
 #include <string>
 #include <vector>
-
-extern "C" {
-// `import deeprec._C` loads this library, whose static initializers register the ops.
-PyObject* PyInit__C(void) {
-  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module);
-}
-}
 
 namespace deeprec {
 namespace {

@@ -160,12 +160,11 @@ def number_tensor(c: "Column", arr: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
 
 
-def number_tensors(columns: list, arrays: np.ndarray) -> list[torch.Tensor]:
-    """`number_tensor` of each column's row of `arrays` ([columns, rows] float32), the plain ones as views
-    of one tensor (one call, not one per column)."""
-    rows = torch.from_numpy(arrays).unbind(0)
-    return [number_tensor(c, arrays[k]) if c.kind == "weight" or c.kind == "label" and c.positive_at is not None
-            else rows[k] for k, c in enumerate(columns)]
+def number_tensors(columns: list, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`number_tensor` of each column's float32 values (views of one tensor, kept as they are where the
+    column's kind leaves its values be)."""
+    return [number_tensor(c, t.numpy()) if c.kind == "weight" or c.kind == "label" and c.positive_at is not None
+            else t for c, t in zip(columns, tensors)]
 
 
 _NUMBER = r"^\s*[-+]?((\d+\.?\d*)|(\.\d+))([eE][-+]?\d+)?\s*$|^\s*[-+]?(nan|NaN|inf|Inf|infinity|Infinity)\s*$"

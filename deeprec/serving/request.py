@@ -26,7 +26,7 @@ import pyarrow.csv as pacsv
 
 from deeprec.data.schema import split_sequence
 from deeprec.errors import DeepRecError
-from deeprec.serving.short_request import SHORT_ROWS, short_batch
+from deeprec.serving.common_values import common_batch
 
 
 @functools.lru_cache(maxsize=1)
@@ -91,11 +91,8 @@ def request_rows(schema, rows: dict, path: str = "$", max_rows: int | None = Non
 
 def convert_columns(schema, rows: dict, n: int, path: str = "$") -> dict:
     """Columns whose shape `request_rows` checked (n rows) -> the raw batch."""
-    if n <= SHORT_ROWS:
-        batch = short_batch(schema, rows, n)
-        if batch is not None:
-            return batch
-    return arrow_batch(schema, rows, n, path)
+    batch = common_batch(schema, rows, n)
+    return batch if batch is not None else arrow_batch(schema, rows, n, path)
 
 
 def arrow_batch(schema, rows: dict, n: int, path: str = "$") -> dict:
