@@ -90,3 +90,17 @@ def test_a_large_request_of_common_values_converts_as_the_general_path():
     assert native is not None
     _same_batches(native, arrow_batch(SCHEMA, rows, n))
     assert common_batch(SCHEMA, {**rows, "C1": rows["C1"][:-1] + [2.5]}, n) is None  # one odd value, the last
+
+
+def test_bytes_elements_split_as_triton_lays_them_out():
+    from deeprec import _C
+
+    elements = [b"", b"68fd1e64", bytes(range(256)) * 300, "\u00e9".encode()]  # a length over 2**16 too
+    body = b"".join(len(e).to_bytes(4, "little") + e for e in elements)
+    framed = memoryview(b"xx" + body + b"yy")[2:-2]  # a slice of a larger body, as a request's binary part
+    assert _C.bytes_elements(framed, 4) == elements
+    assert _C.bytes_elements(b"", 0) == []
+    assert _C.bytes_elements(body[:-1], 4) == (3, len(body) - 6)  # element 3 (from there) ends past the data
+    assert _C.bytes_elements(body[:2], 4) == (0, 0)  # a length cut short
+    assert _C.bytes_elements(body + b"z", 4) == (4, len(body))  # a byte left after the last element
+    assert _C.bytes_elements(body, 3) == (3, len(body) - 6)

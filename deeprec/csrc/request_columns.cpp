@@ -16,6 +16,10 @@
 //                                         views of one buffer and one offsets tensor | None
 //       a column: a list of n values (str as UTF-8, bytes, None -> b"", int as its decimal
 //       text) or None (absent: n times b"")
+//   deeprec._C.bytes_elements(buffer, count) -> [bytes] * count | (i, at)
+//       Triton's BYTES tensor: each element a 4-byte little-endian length, then its bytes. Where
+//       it does not parse: (i, at), element i ends past the buffer (i < count), or bytes are left
+//       after the count-th (i == count, at: where they start); the caller names it.
 #include <Python.h>
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -198,10 +202,41 @@ PyObject* string_rows(PyObject*, PyObject* args) {
   });
 }
 
+PyObject* bytes_elements(PyObject*, PyObject* args) {
+  Py_buffer view;
+  Py_ssize_t count;
+  if (!PyArg_ParseTuple(args, "y*n", &view, &count)) return nullptr;
+  const unsigned char* data = static_cast<const unsigned char*>(view.buf);
+  const Py_ssize_t size = view.len;
+  PyObject* out = count >= 0 ? PyList_New(count) : nullptr;
+  Py_ssize_t at = 0, i = 0;
+  for (; out != nullptr && i < count; ++i) {
+    if (at + 4 > size) break;
+    const uint32_t length = static_cast<uint32_t>(data[at]) | static_cast<uint32_t>(data[at + 1]) << 8 |
+                            static_cast<uint32_t>(data[at + 2]) << 16 | static_cast<uint32_t>(data[at + 3]) << 24;
+    if (static_cast<Py_ssize_t>(length) > size - at - 4) break;
+    PyObject* element = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(data + at + 4), length);
+    if (element == nullptr) {
+      Py_CLEAR(out);
+      break;
+    }
+    PyList_SET_ITEM(out, i, element);
+    at += 4 + static_cast<Py_ssize_t>(length);
+  }
+  PyBuffer_Release(&view);
+  if (out == nullptr) return count >= 0 ? nullptr : PyErr_Format(PyExc_ValueError, "count %zd < 0", count);
+  if (i < count || at != size) {
+    Py_DECREF(out);  // the elements made so far are released with it (the rest are NULL)
+    return Py_BuildValue("(nn)", i, at);
+  }
+  return out;
+}
+
 PyMethodDef methods[] = {
     {"float_rows", float_rows, METH_VARARGS, "number columns (lists) -> a float32 tensor each, or None"},
     {"int_rows", int_rows, METH_VARARGS, "an int id column (a list) -> an int64 tensor, or None"},
     {"string_rows", string_rows, METH_VARARGS, "string id columns (lists or None) -> (bytes, offsets) each, or None"},
+    {"bytes_elements", bytes_elements, METH_VARARGS, "a BYTES tensor's elements -> [bytes], or (i, at) where it fails"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 
 import numpy as np
 import orjson
 
+from deeprec import _C
 from deeprec.serving import RequestError
 from deeprec.serving.request import key
 
@@ -346,19 +346,15 @@ def binary_values(chunk: memoryview, kind: str, count: int, name: str, path: str
 
 
 def _bytes_elements(chunk: memoryview, count: int, name: str, path: str) -> list:
-    if count == 1 and len(chunk) >= 4 and int.from_bytes(chunk[:4], "little") == len(chunk) - 4:
-        return [bytes(chunk[4:])]  # one element (a 1-row request's): its length, then its bytes
-    values, at = [], 0
-    for i in range(count):
-        if at + 4 > len(chunk) or at + 4 + (size := struct.unpack_from("<I", chunk, at)[0]) > len(chunk):
-            raise RequestError(f"input {name!r}: the binary data ends in BYTES element {i} of {count} (each "
-                               "element: a 4-byte little-endian length, then its bytes)", f"{path}.data[{i}]")
-        values.append(bytes(chunk[at + 4:at + 4 + size]))
-        at += 4 + size
-    if at != len(chunk):
-        raise RequestError(f"input {name!r}: {len(chunk) - at} bytes after its {count} BYTES elements",
-                           f"{path}.parameters.binary_data_size")
-    return values
+    split = _C.bytes_elements(chunk, count)  # one native pass (Python per element: 0.85 ms for 64 DLRM rows)
+    if isinstance(split, list):
+        return split
+    i, at = split
+    if i < count:
+        raise RequestError(f"input {name!r}: the binary data ends in BYTES element {i} of {count} (each "
+                           "element: a 4-byte little-endian length, then its bytes)", f"{path}.data[{i}]")
+    raise RequestError(f"input {name!r}: {len(chunk) - at} bytes after its {count} BYTES elements",
+                       f"{path}.parameters.binary_data_size")
 
 
 def v2_columns(request: V2Request, model) -> dict:
