@@ -350,6 +350,24 @@ def reference_prepare_bags(ids: Sequence, combiners: Sequence[str], fill_ids: Se
 
 
 
+def test_native_prepare_bags_sorts_many_keys_as_the_torch_composition():
+    # past 64 distinct keys a feature's uniques are radix sorted: 63-bit hashed keys (all 8 bytes
+    # differ), a narrow range (one byte pass), keys sharing high bytes, duplicates, pruned ids
+    g = torch.Generator().manual_seed(3)
+    batch = 700
+    features = [torch.randint(0, 1 << 62, (batch,), generator=g) * 2 + torch.randint(0, 2, (batch,), generator=g),
+                torch.randint(-5, 300, (batch,), generator=g), (1 << 40) + torch.randint(0, 1 << 20, (batch, 2), generator=g),
+                torch.randint(0, 1 << 62, (batch,), generator=g)[torch.randint(0, 80, (batch,), generator=g)]]
+    combiners, fills = ["sum", "mean", "sqrtn", "sum"], [None, 4, None, None]
+    got, want = prepare_bags(features, combiners, fills), reference_prepare_bags(features, combiners, fills)
+    assert all(u.numel() > 64 for u in got[0])
+    for a, b in zip(got, want):
+        if isinstance(a, tuple):
+            assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+        else:
+            assert a.dtype == b.dtype and torch.equal(a, b)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_native_prepare_bags_equals_the_torch_composition(seed):
     g = torch.Generator().manual_seed(seed)

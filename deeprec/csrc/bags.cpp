@@ -11,6 +11,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
+#include <cstdint>
 #include <cmath>
 #include <numeric>
 #include <vector>
@@ -25,6 +27,42 @@ struct FeatureBags {
   std::vector<int64_t> lengths;         // ids per bag after pruning and filling
   std::vector<int64_t> unique, counts, inverse;
 };
+
+// (key, index in keys) sorted by key. An LSD radix sort, 8 bits a pass, passes where every key has
+// the same byte skipped: std::sort's comparisons mispredicted on random keys and took most of the op
+// (hashed ids: 63-bit keys, 8 passes; small id ranges: 1-2).
+std::vector<std::pair<int64_t, int64_t>> sorted_with_index(const std::vector<int64_t>& keys) {
+  const size_t n = keys.size();
+  std::vector<std::pair<int64_t, int64_t>> a(n), b(n);
+  for (size_t i = 0; i < n; ++i) a[i] = {keys[i], static_cast<int64_t>(i)};
+  if (n < 64) {
+    std::sort(a.begin(), a.end());
+    return a;
+  }
+  constexpr uint64_t kSign = 1ULL << 63;  // signed order: the sign bit flipped
+  std::vector<std::array<uint32_t, 256>> counts(8);
+  for (auto& c : counts) c.fill(0);
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t k = static_cast<uint64_t>(keys[i]) ^ kSign;
+    for (int d = 0; d < 8; ++d) ++counts[d][(k >> (8 * d)) & 0xff];
+  }
+  for (int d = 0; d < 8; ++d) {
+    auto& c = counts[d];
+    if (std::find(c.begin(), c.end(), static_cast<uint32_t>(n)) != c.end()) continue;  // one byte value for all
+    uint32_t start = 0;
+    for (auto& slot : c) {
+      const uint32_t here = slot;
+      slot = start;
+      start += here;
+    }
+    for (size_t i = 0; i < n; ++i) {
+      const uint64_t k = static_cast<uint64_t>(a[i].first) ^ kSign;
+      b[c[(k >> (8 * d)) & 0xff]++] = a[i];
+    }
+    a.swap(b);
+  }
+  return a;
+}
 
 void build_feature(const at::Tensor& values, const at::Tensor& offsets, int64_t batch, bool has_fill,
                    int64_t fill, FeatureBags& out, int64_t f) {
@@ -86,14 +124,12 @@ void build_feature(const at::Tensor& values, const at::Tensor& offsets, int64_t 
     first_index[k] = slot_index[pos];
   }
   const int64_t u = static_cast<int64_t>(seen.size());
-  std::vector<int64_t> by_value(u);
-  std::iota(by_value.begin(), by_value.end(), 0);
-  std::sort(by_value.begin(), by_value.end(), [&](int64_t a, int64_t b) { return seen[a] < seen[b]; });
+  const std::vector<std::pair<int64_t, int64_t>> by_value = sorted_with_index(seen);
   std::vector<int64_t> rank(u);
   out.unique.resize(u);
   for (int64_t r = 0; r < u; ++r) {
-    rank[by_value[r]] = r;
-    out.unique[r] = seen[by_value[r]];
+    rank[by_value[r].second] = r;
+    out.unique[r] = by_value[r].first;
   }
   out.counts.assign(u, 0);
   out.inverse.resize(m);
