@@ -94,6 +94,7 @@ class RunLog:
             raise ConfigError(f"--log-dir {log_dir}: cannot write TensorBoard events in {self.path}: "
                               f"{err.strerror or err}") from None
         self.every = every
+        self.stage = None  # the PrefetchStats counted from (a new run of the loop brings a new one, from 0)
         self._window(start_step, stage_seconds=0.0, staged=0)
         self.noted: set[str] = set()
 
@@ -142,6 +143,8 @@ class RunLog:
             scalars["train/samples_per_s"] = self.rows / seconds
             scalars["time/step_ms"] = 1e3 * seconds / steps
         stage_seconds, staged = (stage.stage_seconds, stage.prefetched) if stage is not None else (0.0, 0)
+        if stage is not self.stage:  # counts restarted (the loop resumed after a PS recovery, say): from 0
+            self.stage, self.stage_seconds, self.staged = stage, 0.0, 0
         if staged > self.staged:
             scalars["time/stage_ms"] = 1e3 * (stage_seconds - self.stage_seconds) / (staged - self.staged)
         if counters is not None:

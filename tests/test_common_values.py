@@ -3,6 +3,7 @@ batch, bit for bit, as the general path, or None where a value is not one of the
 import math
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -104,3 +105,15 @@ def test_bytes_elements_split_as_triton_lays_them_out():
     assert _C.bytes_elements(body[:2], 4) == (0, 0)  # a length cut short
     assert _C.bytes_elements(body + b"z", 4) == (4, len(body))  # a byte left after the last element
     assert _C.bytes_elements(body, 3) == (3, len(body) - 6)
+    assert _C.bytes_elements(b"", 1 << 61) == (0, 0)  # a count the client claims allocates nothing first
+
+
+def test_native_conversions_refuse_negative_sizes_with_an_exception_not_an_abort():
+    from deeprec import _C
+
+    for call in (lambda: _C.float_rows([], -1), lambda: _C.int_rows([], -1), lambda: _C.string_rows([], -2),
+                 lambda: _C.bytes_elements(b"", -1)):
+        with pytest.raises(ValueError, match=">= 0"):
+            call()
+    with pytest.raises(RuntimeError):  # an allocation too large: C++'s exception, raised in Python
+        _C.string_rows([None], 1 << 50)

@@ -115,3 +115,18 @@ def test_a_ps_job_writes_a_run_per_worker_with_its_rpc_traffic(tmp_path):
         assert all(v > 0 for _, v in found["ps/bytes_sent_per_step"] + found["ps/calls_per_step"])
     assert "eval/auc" in scalars(str(tmp_path / "tb" / "worker-0"))  # the chief evaluates
     assert "eval/auc" not in scalars(str(tmp_path / "tb" / "worker-1"))
+
+
+def test_stage_ms_restarts_with_a_new_stats_object(tmp_path):
+    # the training loop run again (after a PS recovery) brings a PrefetchStats counting from 0
+    from deeprec.runlog import RunLog
+    from deeprec.runtime.prefetch import PrefetchStats
+
+    log = RunLog(str(tmp_path), None, every=1)
+    first, second = PrefetchStats(prefetched=10, stage_seconds=1.0), PrefetchStats(prefetched=2, stage_seconds=0.004)
+    log.step(1, 0.5, 8, first)
+    first.prefetched, first.stage_seconds = 20, 1.5
+    log.step(2, 0.5, 8, first)
+    log.step(3, 0.5, 8, second)
+    log.close()
+    assert [round(v, 6) for _, v in scalars(str(tmp_path))["time/stage_ms"]] == [100.0, 50.0, 2.0]

@@ -600,3 +600,12 @@ def test_row_limits_hold_before_a_body_is_spread_into_columns(dlrm):
         # a header length in non-ASCII digits is a 400 naming the header, not a server error
         reply = client.post("/v2/models/dlrm/infer", content=b"{}", headers={"Inference-Header-Content-Length": b"\xb2"})  # latin-1 "²"
         assert reply.status_code == 400 and "Inference-Header-Content-Length" in reply.json()["error"]
+
+
+def test_a_shape_is_rows_or_rows_by_one_in_plain_ints():
+    from deeprec.serving.protocols import _shape
+
+    assert _shape([3], "I1", 0) == 3 and _shape([3, 1], "I1", 0) == 3 and _shape([0], "I1", 0) == 0
+    for shape in ([2, True], [2, 1.0], [True], [2.0], [-1], [2, 2], [2, 1, 1], [], "2", None):
+        with pytest.raises(RequestError, match=r"expected \[rows\] or \[rows, 1\]"):
+            _shape(shape, "I1", 4)

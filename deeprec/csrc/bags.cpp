@@ -35,7 +35,7 @@ std::vector<std::pair<int64_t, int64_t>> sorted_with_index(const std::vector<int
   const size_t n = keys.size();
   std::vector<std::pair<int64_t, int64_t>> a(n), b(n);
   for (size_t i = 0; i < n; ++i) a[i] = {keys[i], static_cast<int64_t>(i)};
-  if (n < 64) {
+  if (n < 64 || n > UINT32_MAX) {  // few keys; or more than the 32-bit counts hold
     std::sort(a.begin(), a.end());
     return a;
   }
@@ -104,7 +104,7 @@ void build_feature(const at::Tensor& values, const at::Tensor& offsets, int64_t 
     }
   }
   // Dedup by an open-addressing hash table (first-seen order), then sort only the distinct
-  // keys and renumber: O(n + u log u) instead of sorting all n ids.
+  // keys (radix: O(n + u)) and renumber, instead of sorting all n ids.
   const int64_t m = static_cast<int64_t>(out.values.size());
   size_t capacity = 16;
   while (capacity < 2 * static_cast<size_t>(m)) capacity <<= 1;

@@ -22,6 +22,7 @@
 //       after the count-th (i == count, at: where they start); the caller names it.
 #include <Python.h>
 #include <ATen/ATen.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cmath>
@@ -33,6 +34,12 @@
 namespace {
 
 constexpr long long kExact = 1LL << 24;  // ints up to this convert to float32 exactly
+
+bool rows_ok(Py_ssize_t n) {
+  if (n >= 0) return true;
+  PyErr_Format(PyExc_ValueError, "rows must be >= 0, got %zd", n);
+  return false;
+}
 
 // A 1-d tensor over `base`'s storage from `offset`: made directly, not through the dispatcher
 // (narrow / select cost ~0.5 us each). Its base is a fresh buffer no graph tracks, so no view
@@ -59,10 +66,10 @@ PyObject* tensor_list(Py_ssize_t count, View view) {
   return list;
 }
 
-PyObject* float_rows(PyObject*, PyObject* args) {
+PyObject* float_rows_impl(PyObject* args) {
   PyObject* columns;
   Py_ssize_t n;
-  if (!PyArg_ParseTuple(args, "O!n", &PyList_Type, &columns, &n)) return nullptr;
+  if (!PyArg_ParseTuple(args, "O!n", &PyList_Type, &columns, &n) || !rows_ok(n)) return nullptr;
   const Py_ssize_t count = PyList_GET_SIZE(columns);
   at::Tensor whole = at::empty({count, n}, at::kFloat);
   float* cursor = whole.data_ptr<float>();
@@ -91,10 +98,10 @@ PyObject* float_rows(PyObject*, PyObject* args) {
   return tensor_list(count, [&](Py_ssize_t c) { return THPVariable_Wrap(part_of(whole, c * n, n)); });
 }
 
-PyObject* int_rows(PyObject*, PyObject* args) {
+PyObject* int_rows_impl(PyObject* args) {
   PyObject* values;
   Py_ssize_t n;
-  if (!PyArg_ParseTuple(args, "O!n", &PyList_Type, &values, &n)) return nullptr;
+  if (!PyArg_ParseTuple(args, "O!n", &PyList_Type, &values, &n) || !rows_ok(n)) return nullptr;
   if (PyList_GET_SIZE(values) != n) Py_RETURN_NONE;
   at::Tensor out = at::empty({n}, at::kLong);
   int64_t* ids = out.data_ptr<int64_t>();
@@ -149,10 +156,10 @@ Read read_string(PyObject* v, Pieces& pieces, const char** start, Py_ssize_t* si
   return Read::kOk;
 }
 
-PyObject* string_rows(PyObject*, PyObject* args) {
+PyObject* string_rows_impl(PyObject* args) {
   PyObject* columns;
   Py_ssize_t n;
-  if (!PyArg_ParseTuple(args, "O!n", &PyList_Type, &columns, &n)) return nullptr;
+  if (!PyArg_ParseTuple(args, "O!n", &PyList_Type, &columns, &n) || !rows_ok(n)) return nullptr;
   const Py_ssize_t count = PyList_GET_SIZE(columns);
   at::Tensor offsets = at::empty({count, n + 1}, at::kLong);
   int64_t* offset = offsets.data_ptr<int64_t>();
@@ -202,41 +209,56 @@ PyObject* string_rows(PyObject*, PyObject* args) {
   });
 }
 
-PyObject* bytes_elements(PyObject*, PyObject* args) {
+PyObject* bytes_elements_impl(PyObject* args) {
   Py_buffer view;
   Py_ssize_t count;
   if (!PyArg_ParseTuple(args, "y*n", &view, &count)) return nullptr;
   const unsigned char* data = static_cast<const unsigned char*>(view.buf);
   const Py_ssize_t size = view.len;
-  PyObject* out = count >= 0 ? PyList_New(count) : nullptr;
+  auto length_at = [&](Py_ssize_t at) {
+    return static_cast<Py_ssize_t>(static_cast<uint32_t>(data[at]) | static_cast<uint32_t>(data[at + 1]) << 8 |
+                                   static_cast<uint32_t>(data[at + 2]) << 16 |
+                                   static_cast<uint32_t>(data[at + 3]) << 24);
+  };
+  // First the layout alone, so a count the client claims allocates nothing until the data holds it.
   Py_ssize_t at = 0, i = 0;
-  for (; out != nullptr && i < count; ++i) {
-    if (at + 4 > size) break;
-    const uint32_t length = static_cast<uint32_t>(data[at]) | static_cast<uint32_t>(data[at + 1]) << 8 |
-                            static_cast<uint32_t>(data[at + 2]) << 16 | static_cast<uint32_t>(data[at + 3]) << 24;
-    if (static_cast<Py_ssize_t>(length) > size - at - 4) break;
-    PyObject* element = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(data + at + 4), length);
+  for (; i < count; ++i) {
+    if (at + 4 > size || length_at(at) > size - at - 4) break;
+    at += 4 + length_at(at);
+  }
+  if (count < 0 || i < count || at != size) {
+    PyBuffer_Release(&view);
+    return count < 0 ? PyErr_Format(PyExc_ValueError, "count must be >= 0, got %zd", count)
+                     : Py_BuildValue("(nn)", i, at);
+  }
+  PyObject* out = PyList_New(count);
+  for (Py_ssize_t k = 0, from = 0; out != nullptr && k < count; ++k) {
+    const Py_ssize_t length = length_at(from);
+    PyObject* element = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(data + from + 4), length);
     if (element == nullptr) {
-      Py_CLEAR(out);
+      Py_CLEAR(out);  // the elements made so far go with it (the rest are NULL)
       break;
     }
-    PyList_SET_ITEM(out, i, element);
-    at += 4 + static_cast<Py_ssize_t>(length);
+    PyList_SET_ITEM(out, k, element);
+    from += 4 + length;
   }
   PyBuffer_Release(&view);
-  if (out == nullptr) return count >= 0 ? nullptr : PyErr_Format(PyExc_ValueError, "count %zd < 0", count);
-  if (i < count || at != size) {
-    Py_DECREF(out);  // the elements made so far are released with it (the rest are NULL)
-    return Py_BuildValue("(nn)", i, at);
-  }
   return out;
 }
 
+// A C++ exception (an allocation failing) becomes a Python exception, never std::terminate.
+template <PyObject* (*Impl)(PyObject*)>
+PyObject* guarded(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  return Impl(args);
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef methods[] = {
-    {"float_rows", float_rows, METH_VARARGS, "number columns (lists) -> a float32 tensor each, or None"},
-    {"int_rows", int_rows, METH_VARARGS, "an int id column (a list) -> an int64 tensor, or None"},
-    {"string_rows", string_rows, METH_VARARGS, "string id columns (lists or None) -> (bytes, offsets) each, or None"},
-    {"bytes_elements", bytes_elements, METH_VARARGS, "a BYTES tensor's elements -> [bytes], or (i, at) where it fails"},
+    {"float_rows", guarded<float_rows_impl>, METH_VARARGS, "number columns (lists) -> a float32 tensor each, or None"},
+    {"int_rows", guarded<int_rows_impl>, METH_VARARGS, "an int id column (a list) -> an int64 tensor, or None"},
+    {"string_rows", guarded<string_rows_impl>, METH_VARARGS, "string id columns (lists or None) -> (bytes, offsets) each, or None"},
+    {"bytes_elements", guarded<bytes_elements_impl>, METH_VARARGS, "a BYTES tensor's elements -> [bytes], or (i, at) where it fails"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

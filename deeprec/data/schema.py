@@ -71,6 +71,7 @@ class Schema:
     header: bool | str = True  # True | False | "auto" (a header if the first line names the columns)
     name: str = "custom"
     _by_name: dict = field(default=None, init=False, repr=False, compare=False)
+    _derived: dict = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         columns = tuple(self.columns)
@@ -91,6 +92,15 @@ class Schema:
         if self.header not in (True, False, "auto"):
             raise ConfigError(f"schema header must be true, false or 'auto', got {self.header!r}")
         object.__setattr__(self, "_by_name", {c.name: c for c in columns})
+        object.__setattr__(self, "_derived", {})
+
+    def derived(self, key: str, make):
+        """`make(self)`, computed once per schema object: what a server derives from it for every request
+        (its inputs by kind), looked up without hashing the schema's columns."""
+        found = self._derived.get(key)
+        if found is None:
+            found = self._derived[key] = make(self)
+        return found
 
     # -- views -----------------------------------------------------------------------
     def of_kind(self, kind: str) -> tuple[str, ...]:

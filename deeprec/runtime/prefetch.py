@@ -37,11 +37,12 @@ def _prestaged_values(item: Prestaged):
 @dataclass
 class PrefetchStats:
     pulled: int = 0  # batches taken from the reader
-    prefetched: int = 0  # stage results put in the buffer
+    prefetched: int = 0  # stage results put in the buffer (or staged inline: SmartStage auto's inline phases)
     taken: int = 0  # results handed to the training loop
     dropped: int = 0  # results dropped after waiting timeout_millis for buffer space
     ignored: int = 0  # batches skipped for an ignored exception type
-    stage_seconds: float = 0.0  # summed over runner threads (pull + stage + copy)
+    stage_seconds: float = 0.0  # summed over runner threads (pull + stage + copy) or inline read + stage; the
+    # process executor's runner times its wait for a batch the worker staged
 
 
 @dataclass

@@ -24,6 +24,7 @@ from deeprec import _C
 from deeprec.data.schema import number_tensor, number_tensors
 from deeprec.ragged import Ragged
 
+
 class _Plan(NamedTuple):
     """A schema's columns by kind, sorted once: a request then walks names, not kinds."""
     order: tuple[str, ...]  # the batch's keys, in the schema's order (ignored columns left out)
@@ -32,22 +33,10 @@ class _Plan(NamedTuple):
     strings: tuple  # string id columns
 
 
-_PLANS: dict[int, tuple] = {}  # id(schema) -> (schema, plan): hashing a Schema per request cost 5 us
-
-
-def _plan(schema) -> _Plan | None:
-    entry = _PLANS.get(id(schema))
-    if entry is None or entry[0] is not schema:
-        if len(_PLANS) >= 64:  # a server has a few schemas; a test process makes many
-            _PLANS.clear()
-        entry = _PLANS[id(schema)] = (schema, _make_plan(schema))
-    return entry[1]
-
-
-def _make_plan(schema) -> _Plan | None:
+def _plan(schema) -> _Plan | bool:
     kept = [c for c in schema.columns if c.kind != "ignore"]
     if any(c.kind not in ("label", "dense", "weight", "categorical") for c in kept):
-        return None  # a sequence: its separator, its ids' kind: the general path
+        return False  # a sequence: its separator, its ids' kind: the general path (False: cached, unlike None)
     return _Plan(tuple(c.name for c in kept), tuple(c for c in kept if c.kind != "categorical"),
                  tuple(c for c in kept if c.kind == "categorical" and c.dtype == "int"),
                  tuple(c for c in kept if c.kind == "categorical" and c.dtype != "int"))
@@ -57,8 +46,8 @@ def common_batch(schema, rows: dict, n: int) -> dict | None:
     """The raw batch of `rows` (n rows, their shape checked by request_rows), or None: not all common values.
     The number columns sent as lists become one array, the string id columns one buffer and one offsets
     array, each column a view of them."""
-    plan = _plan(schema)
-    if plan is None:
+    plan = schema.derived("common_values", _plan)
+    if plan is False:
         return None
     batch = {}
     listed = []

@@ -63,7 +63,7 @@ def dumps(value) -> bytes:
 
 def model_inputs(model) -> list:
     """The schema columns a request gives (labels and ignored columns left out)."""
-    return [c for c in model.schema.columns if c.kind not in ("label", "ignore")]
+    return list(model.schema.derived("v2_inputs", _inputs_of)[0].values())
 
 
 def output_names(model) -> list[str]:
@@ -278,17 +278,15 @@ def v2_request(body: bytes, header_length: str | None, model, max_rows: int | No
     return V2Request(header.get("id"), inputs.columns, inputs.order, requested_outputs(header, model))
 
 
-_INPUTS: dict[int, tuple] = {}  # id(schema) -> (schema, {name: column}, {name: datatypes it takes})
+def declared_datatypes(schema) -> dict[str, str]:
+    """{input: the datatype it is declared with} (gRPC's lean reading takes exactly these)."""
+    return {name: datatype(c) for name, c in schema.derived("v2_inputs", _inputs_of)[0].items()}
 
 
 def _inputs_of(schema) -> tuple[dict, dict]:
-    entry = _INPUTS.get(id(schema))
-    if entry is None or entry[0] is not schema:
-        if len(_INPUTS) >= 64:  # a server has a few schemas; a test process makes many
-            _INPUTS.clear()
-        inputs = {c.name: c for c in schema.columns if c.kind not in ("label", "ignore")}  # as model_inputs
-        entry = _INPUTS[id(schema)] = (schema, inputs, {name: _ACCEPTED[_family(c)] for name, c in inputs.items()})
-    return entry[1], entry[2]
+    """({name: column}, {name: the datatypes it takes}) of the inputs a request gives (as model_inputs)."""
+    inputs = {c.name: c for c in schema.columns if c.kind not in ("label", "ignore")}
+    return inputs, {name: _ACCEPTED[_family(c)] for name, c in inputs.items()}
 
 
 class V2Inputs:
@@ -298,7 +296,7 @@ class V2Inputs:
     {name: its index k in the request}."""
 
     def __init__(self, model, max_rows: int | None):
-        self.inputs, self.accepted = _inputs_of(model.schema)
+        self.inputs, self.accepted = model.schema.derived("v2_inputs", _inputs_of)
         self.max_rows = max_rows
         self.columns, self.order, self.rows = {}, {}, None
 
@@ -334,8 +332,8 @@ class V2Inputs:
 
 
 def _shape(shape, name: str, k: int) -> int:
-    if type(shape) is list and (len(shape) == 1 or len(shape) == 2 and shape[1] == 1) and \
-            type(shape[0]) is int and shape[0] >= 0:
+    if type(shape) is list and type(shape[0] if shape else None) is int and shape[0] >= 0 and \
+            (len(shape) == 1 or len(shape) == 2 and type(shape[1]) is int and shape[1] == 1):
         return shape[0]
     raise RequestError(f"input {name!r}: shape {json.dumps(shape)}, expected [rows] or [rows, 1] (one value "
                        "per row; a sequence is one BYTES element per row, its ids joined by the separator)",
