@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from deeprec.data.schema import Column, Schema
 from deeprec.ragged import Ragged
-from deeprec.serving.request import RequestError, arrow_batch, request_batch
 from deeprec.serving.common_values import common_batch
+from deeprec.serving.request import RequestError, arrow_batch, request_batch
 
 SCHEMA = Schema((Column("label", "label"), Column("score", "label", positive_at=4.0), Column("w", "weight"),
                  Column("I1", "dense"), Column("I2", "dense"), Column("id", "categorical", dtype="int"),
