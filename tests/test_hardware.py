@@ -1,4 +1,6 @@
 """bf16="auto" follows the hardware: on where bf16 is native, fp32 with a reason elsewhere."""
+import math
+
 import pytest
 import torch
 
@@ -38,8 +40,9 @@ def test_bf16_auto_stays_fp32_where_bf16_instructions_measure_slower(monkeypatch
 
 
 def test_the_bf16_gemm_probe_measures_a_rate():
+    # any positive ratio: bf16 emulated on an AVX2-only CPU measured 0.007x fp32 (2 threads), AMX many x
     speedup = hardware.bf16_gemm_speedup()
-    assert 0.01 < speedup < 100
+    assert math.isfinite(speedup) and speedup > 0
 
 
 def test_bf16_auto_on_the_real_machine_is_decided_and_explained():
