@@ -14,7 +14,6 @@
 #include <array>
 #include <cstdint>
 #include <cmath>
-#include <numeric>
 #include <vector>
 
 namespace deeprec {

@@ -97,10 +97,9 @@ class Schema:
     def derived(self, key: str, make):
         """`make(self)`, computed once per schema object: what a server derives from it for every request
         (its inputs by kind), looked up without hashing the schema's columns."""
-        found = self._derived.get(key)
-        if found is None:
-            found = self._derived[key] = make(self)
-        return found
+        if key not in self._derived:  # None is a value too (kept, not made again)
+            self._derived[key] = make(self)
+        return self._derived[key]
 
     # -- views -----------------------------------------------------------------------
     def of_kind(self, kind: str) -> tuple[str, ...]:

@@ -33,10 +33,10 @@ class _Plan(NamedTuple):
     strings: tuple  # string id columns
 
 
-def _plan(schema) -> _Plan | bool:
+def _plan(schema) -> _Plan | None:
     kept = [c for c in schema.columns if c.kind != "ignore"]
     if any(c.kind not in ("label", "dense", "weight", "categorical") for c in kept):
-        return False  # a sequence: its separator, its ids' kind: the general path (False: cached, unlike None)
+        return None  # a sequence: its separator, its ids' kind: the general path
     return _Plan(tuple(c.name for c in kept), tuple(c for c in kept if c.kind != "categorical"),
                  tuple(c for c in kept if c.kind == "categorical" and c.dtype == "int"),
                  tuple(c for c in kept if c.kind == "categorical" and c.dtype != "int"))
@@ -44,10 +44,10 @@ def _plan(schema) -> _Plan | bool:
 
 def common_batch(schema, rows: dict, n: int) -> dict | None:
     """The raw batch of `rows` (n rows, their shape checked by request_rows), or None: not all common values.
-    The number columns sent as lists become one array, the string id columns one buffer and one offsets
-    array, each column a view of them."""
+    The number columns sent as lists become one tensor, the string id columns one buffer and one offsets
+    tensor, each column's tensors parts of them."""
     plan = schema.derived("common_values", _plan)
-    if plan is False:
+    if plan is None:
         return None
     batch = {}
     listed = []
@@ -61,7 +61,7 @@ def common_batch(schema, rows: dict, n: int) -> dict | None:
             return None
         batch[c.name] = number_tensor(c, array)
     if listed:
-        tensors = _C.float_rows([values for _, values in listed], n)  # one native pass, a view each
+        tensors = _C.float_rows([values for _, values in listed], n)  # one native pass, a part each
         if tensors is None:
             return None
         for (c, _), tensor in zip(listed, number_tensors([c for c, _ in listed], tensors)):
