@@ -23,9 +23,13 @@ import os
 import torch
 from torch.utils import _pytree as pytree
 
-# every weight stays a constant the runner reads (inductor inlines 1-element ones otherwise): online
-# updates re-bind them all
-_COMPILE_OPTIONS = {"always_keep_tensor_constants": True}
+def compile_options() -> dict:
+    """Inductor's options for a package: every weight stays a constant the runner reads (inductor
+    inlines 1-element ones otherwise), as online updates re-bind them all; serving's own graph passes
+    after inductor's (serving.compile_passes: imported here, as inductor is, not by training)."""
+    from deeprec.serving.compile_passes import ServingPasses
+
+    return {"always_keep_tensor_constants": True, "post_grad_custom_post_pass": ServingPasses()}
 
 
 def cpu_flags() -> list[str]:
@@ -53,12 +57,13 @@ def compile_package(program: torch.export.ExportedProgram, path: str, device: st
     The key's lock is entered into `held`: the caller keeps it until the package is stored."""
     from deeprec.serving import compile_cache
 
-    key = compile_cache.program_key(program, device, _COMPILE_OPTIONS, cpu_flags())
+    options = compile_options()
+    key = compile_cache.program_key(program, device, options, cpu_flags())
     held.enter_context(compile_cache.claimed(key))
     if compile_cache.fetch(key, path):
         return None
-    # a copy: inductor adds its own entries to the dict it is given, which would change the next key
-    torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=dict(_COMPILE_OPTIONS))
+    # a dict of its own: inductor adds its entries to the one it is given
+    torch._inductor.aoti_compile_and_package(program, package_path=path, inductor_configs=options)
     return key
 
 
