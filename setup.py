@@ -17,7 +17,7 @@ OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") and "OpenMP" in torch.
 setup(
     ext_modules=[CppExtension("deeprec._C", ["deeprec/csrc/feature_ops.cpp", "deeprec/csrc/bags.cpp",
                                "deeprec/csrc/key_index.cpp", "deeprec/csrc/ev_lookup.cpp", "deeprec/csrc/sparse_optim.cpp",
-                               "deeprec/csrc/ps_rows.cpp", "deeprec/csrc/step_ops.cpp",
+                               "deeprec/csrc/ps_rows.cpp", "deeprec/csrc/step_ops.cpp", "deeprec/csrc/linear_relu.cpp",
                                "deeprec/csrc/request_columns.cpp"],
                               depends=["deeprec/csrc/hashes.h", "deeprec/csrc/key_index.h"],
                               extra_compile_args=["-O3", "-fno-math-errno", "-ffp-contract=off", *OPENMP],

@@ -133,6 +133,11 @@ def _(grad, x):
     return x.new_empty(x.shape)
 
 
+@torch.library.register_fake("deeprec::linear_relu")
+def _(x, weight, bias):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
 @torch.library.register_fake("deeprec::gather_rows")
 def _(rows, index):
     return rows.new_empty(*index.shape, rows.shape[1])
