@@ -49,6 +49,8 @@ CHILD = {
     # Wide & Deep (two FeatureEmbedders over the same ids), `deeprec train` as is and with SmartStage auto
     "train plain wdl": "rate, result = e2e.train_rate({data!r}, {steps} + 50, model='wdl')\n"
                        "out = dict(samples_per_s=rate, final_loss=result['final_loss'])",
+    "train plain deepfm": "rate, result = e2e.train_rate({data!r}, {steps} + 50, model='deepfm')\n"
+                          "out = dict(samples_per_s=rate, final_loss=result['final_loss'])",
     "train staged wdl": "rate, result = e2e.train_rate({data!r}, {steps} + 50, model='wdl', optimize=e2e.staged('auto'))\n"
                         "out = dict(samples_per_s=rate, final_loss=result['final_loss'])",
 }

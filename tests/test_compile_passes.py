@@ -46,12 +46,15 @@ def test_unfuse_bias_turns_each_addmm_feeding_pointwise_ops_into_mm_plus_bias():
     torch.testing.assert_close(gram, want_gram, rtol=1e-4, atol=1e-3)
 
 
-def test_unfuse_bias_keeps_scaled_or_non_cpu_addmm():
+def test_unfuse_bias_keeps_scaled_half_precision_or_non_cpu_addmm():
     x, w, b = torch.randn(4, 8), torch.randn(8, 3), torch.randn(3)
     scaled = make_fx(lambda x, w, b: torch.relu(torch.addmm(b, x, w, beta=0.5)))(x, w, b)
     before = _targets(scaled)
     unfuse_bias(scaled.graph)
     assert _targets(scaled) == before  # beta != 1: a kwarg the rewrite does not carry
+    in_bf16 = make_fx(lambda x, w, b: torch.relu(torch.addmm(b, x, w)))(x.bfloat16(), w.bfloat16(), b.bfloat16())
+    unfuse_bias(in_bf16.graph)
+    assert aten.addmm.default in _targets(in_bf16)  # mm would round the sum before the bias is added
     on_meta = make_fx(lambda x, w, b: torch.relu(torch.addmm(b, x, w)), tracing_mode="fake")(
         x.to("meta"), w.to("meta"), b.to("meta"))
     unfuse_bias(on_meta.graph)
@@ -65,3 +68,11 @@ def test_serving_passes_run_every_pass_and_name_themselves_stably():
     assert _targets(gm).count(aten.addmm.default) == 1
     # the compile cache keys packages by the options' text: the same passes, the same text, no address
     assert repr(ServingPasses()) == repr(ServingPasses()) and ServingPasses().uuid() in repr(ServingPasses())
+
+
+def test_packages_are_compiled_with_the_serving_passes():
+    from deeprec.serving.compiled import compile_options
+
+    options = compile_options()
+    assert isinstance(options["post_grad_custom_post_pass"], ServingPasses)
+    assert options is not compile_options()  # a dict of its own per compile: inductor adds entries to it

@@ -3,6 +3,7 @@ backward is made, the composition elsewhere; the zoo's MLP runs its pairs throug
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from deeprec.models.common import MLP
 from deeprec.ops.step import linear_relu
@@ -35,21 +36,40 @@ def test_the_op_and_its_backward_equal_linear_then_relu(k):
     assert "LinearRelu" in y.grad_fn.name() and (y >= 0).all()  # one node, the C++ one
 
 
-def test_nan_and_negative_zero_pass_the_relu_as_torch_relu():
-    x = torch.tensor([[float("nan"), -1.0, 2.0, 0.0]])
-    w, b = torch.eye(4), torch.tensor([0.0, 0.5, -3.0, -0.0])
-    got = linear_relu(x.requires_grad_(), w.requires_grad_(), b.requires_grad_())
+def test_nan_passes_the_relu_as_torch_relu():
+    x, w, b = _layer(5, 16, 64)  # 64 columns: the vectorized loop, and its tail
+    b[5], b[63] = float("nan"), float("inf")
+    got = linear_relu(x, w.requires_grad_(), b.requires_grad_())
     want = torch.relu(F.linear(x, w, b))
-    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert got[:, 5].isnan().all() and torch.equal(got.isnan(), want.isnan()) and torch.isinf(got[:, 63]).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+    assert (got[~got.isnan()] >= 0).all()
 
 
-def test_only_the_inputs_that_need_it_get_a_gradient():
-    x, w, b = _layer(8, 5, 3)
-    w, b = w.requires_grad_(), b.requires_grad_()
-    y = linear_relu(x, w, b)  # x is data: no dx computed
+class _GemmCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.mm = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.mm += func is torch.ops.aten.mm.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("needs, gemms", [((True, True, True), 2), ((False, True, True), 1), ((False, False, True), 0)])
+def test_the_backward_computes_only_the_gradients_asked_for(needs, gemms):
+    x, w, b = (t.requires_grad_(need) for t, need in zip(_layer(8, 5, 3), needs))
+    y = linear_relu(x, w, b)
     assert "LinearRelu" in y.grad_fn.name()
-    y.sum().backward()
-    assert x.grad is None and w.grad is not None and b.grad is not None
+    with _GemmCount() as count:
+        y.sum().backward()
+    assert count.mm == gemms  # dx = grad @ weight, dweight = grad^T @ x: each only when wanted
+    assert [t.grad is not None for t in (x, w, b)] == list(needs)
+
+
+def test_a_missing_bias_is_the_composition():
+    x, w, _ = _layer(6, 4, 3)
+    assert torch.equal(linear_relu(x, w.requires_grad_(), None), torch.relu(F.linear(x, w)))
 
 
 def test_without_a_backward_or_under_autocast_it_is_the_composition_bit_for_bit():

@@ -10,8 +10,8 @@
 // sum), in that order.
 //
 // Under CPU autocast the inputs are cast as F.linear's are (the autocast dtype, weights from its
-// cache). Float32 on the CPU takes the fused pass; other dtypes and devices addmm, then the ReLU in
-// place (bf16 sums keep the bias added in float32, as F.linear's do).
+// cache). Float32 takes the fused pass; other dtypes addmm, then the ReLU in place (bf16 sums keep the
+// bias added in float32, as F.linear's do). CPU only: deeprec.ops.step.linear_relu composes elsewhere.
 #include <torch/library.h>
 #include <torch/autograd.h>
 #include <ATen/ATen.h>
@@ -60,7 +60,8 @@ at::Tensor linear_relu_kernel(const at::Tensor& x, const at::Tensor& weight, con
   float* yp = y.data_ptr<float>();
   const float* bp = b.data_ptr<float>();
   const int64_t cols = y.size(1);
-  at::parallel_for(0, y.size(0), std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)), [&](int64_t begin, int64_t end) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1));  // rows of ~64 KiB a task
+  at::parallel_for(0, y.size(0), grain, [&](int64_t begin, int64_t end) {
     add_bias_relu_rows(yp + begin * cols, bp, end - begin, cols);
   });
   return y;
@@ -114,7 +115,6 @@ TORCH_LIBRARY_FRAGMENT(deeprec, m) {
 }
 
 TORCH_LIBRARY_IMPL(deeprec, CPU, m) { m.impl("linear_relu", linear_relu_kernel); }
-TORCH_LIBRARY_IMPL(deeprec, CUDA, m) { m.impl("linear_relu", linear_relu_kernel); }
 TORCH_LIBRARY_IMPL(deeprec, Autograd, m) { m.impl("linear_relu", linear_relu_autograd); }
 TORCH_LIBRARY_IMPL(deeprec, AutocastCPU, m) { m.impl("linear_relu", linear_relu_autocast); }
 

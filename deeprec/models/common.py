@@ -19,6 +19,9 @@ def _hooked(layer: nn.Module) -> bool:
                 or _module._global_backward_hooks or _module._global_backward_pre_hooks)
 
 
+# pure: it writes none of its arguments (SmartStage and the shared-call merge rely on that); merging
+# never happens (a module's get_attr is a new node at every call), and a layer's hooks are trusted as
+# its call_module node trusted them
 @op(pure=True)
 def linear_then_relu(x: torch.Tensor, linear: nn.Linear, relu: nn.Module) -> torch.Tensor:
     """relu(linear(x)) through `deeprec.ops.step.linear_relu` (one op where a backward is made); through

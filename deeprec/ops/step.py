@@ -8,8 +8,8 @@ for, which inductor compiles into a serving package's own kernels.
         without the [B, N, N] matrix, its zero-filled gradient and the scatter back
     gather_rows(rows [U, D], index [*S]) -> [*S, D]  rows[index]; the backward sums each row's
         gradients (index order: index_add's values) from the layout autograd hands over
-    linear_relu(x [B, K], linear) -> [B, N]           relu(linear(x)): the bias and the ReLU in one
-        pass after the GEMM, one autograd node in C++ (deeprec/csrc/linear_relu.cpp)
+    linear_relu(x [B, K], weight [N, K], bias [N]) -> [B, N]   relu(F.linear(x, weight, bias)): the bias
+        and the ReLU in one pass after the GEMM, one autograd node in C++ (deeprec/csrc/linear_relu.cpp)
 
 The native dots take float32, bf16 and half on the CPU, summed in float32 (converted there and back):
 each over d in order, without fused multiply-adds, so the values equal a sequential sum's bits on every
@@ -53,7 +53,7 @@ def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 @op(pure=True)
-def linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """relu(F.linear(x, weight, bias)), an MLP's hidden layer.
 
     Where a backward is made (training) in float32 on the CPU, on 2-D inputs, as one native op: the
@@ -63,9 +63,10 @@ def linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> to
     (the bias added after the sum, not first). Elsewhere it is the composition: evaluation and an
     exported program (which score alike, bit for bit, as before), torch.compile (which fuses it
     itself), bf16 autocast (where the op measured 0.97x: addmm adds the bias in float32 there)."""
-    if (x.dim() != 2 or x.device.type != "cpu" or torch.compiler.is_compiling() or torch.compiler.is_exporting()
+    if (bias is None or x.dim() != 2 or x.device.type != "cpu" or torch.compiler.is_compiling()
+            or torch.compiler.is_exporting()
             or torch.is_autocast_enabled("cpu") or x.dtype != torch.float32
-            or not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+            or not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad))):
         return torch.relu(torch.nn.functional.linear(x, weight, bias))
     return torch.ops.deeprec.linear_relu(x, weight, bias)
 

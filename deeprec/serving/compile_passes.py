@@ -21,7 +21,7 @@ import hashlib
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch._inductor.fx_passes.post_grad import is_pointwise_use
+from torch._inductor.utils import is_pointwise_use
 
 aten = torch.ops.aten
 
@@ -32,12 +32,16 @@ def unfuse_bias(graph: torch.fx.Graph) -> torch.fx.Graph:
         if node.op != "call_function" or node.target is not aten.addmm.default or node.kwargs:
             continue
         value = node.meta.get("val")
-        if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+        # bf16 / half: mm would round the sum before the bias is added (addmm adds it in float32)
+        if (not isinstance(value, torch.Tensor) or value.device.type != "cpu"
+                or value.dtype not in (torch.float32, torch.float64)):
             continue
         if not node.users or not all(is_pointwise_use(user) for user in node.users):
             continue
         bias, x, w = node.args
         with graph.inserting_before(node):
+            # addmm's metadata on both (the same shape, dtype and strides); inductor's FakeTensorUpdater,
+            # which runs after the custom post pass, recomputes the values of the nodes that changed
             product = graph.call_function(aten.mm.default, (x, w))
             product.meta.update(node.meta)
             biased = graph.call_function(aten.add.Tensor, (product, bias))
@@ -48,6 +52,8 @@ def unfuse_bias(graph: torch.fx.Graph) -> torch.fx.Graph:
 
 
 PASSES = (unfuse_bias,)
+with open(__file__, "rb") as _source:  # the code imported, whatever the file becomes later
+    _DIGEST = hashlib.sha256(_source.read()).hexdigest()[:16]
 
 
 class ServingPasses(CustomGraphPass):
@@ -59,8 +65,7 @@ class ServingPasses(CustomGraphPass):
             graph_pass(graph)
 
     def uuid(self) -> str:
-        with open(__file__, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()[:16]
+        return _DIGEST
 
     def __repr__(self) -> str:
         return f"ServingPasses({self.uuid()})"

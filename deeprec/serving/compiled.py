@@ -23,6 +23,7 @@ import os
 import torch
 from torch.utils import _pytree as pytree
 
+
 def compile_options() -> dict:
     """Inductor's options for a package: every weight stays a constant the runner reads (inductor
     inlines 1-element ones otherwise), as online updates re-bind them all; serving's own graph passes
