@@ -19,7 +19,7 @@ setup(
                                "deeprec/csrc/key_index.cpp", "deeprec/csrc/ev_lookup.cpp", "deeprec/csrc/sparse_optim.cpp",
                                "deeprec/csrc/ps_rows.cpp", "deeprec/csrc/step_ops.cpp", "deeprec/csrc/linear_relu.cpp",
                                "deeprec/csrc/request_columns.cpp"],
-                              depends=["deeprec/csrc/hashes.h", "deeprec/csrc/key_index.h"],
+                              depends=["deeprec/csrc/hashes.h", "deeprec/csrc/key_index.h", "deeprec/csrc/clones.h"],
                               extra_compile_args=["-O3", "-fno-math-errno", "-ffp-contract=off", *OPENMP],
                               extra_link_args=OPENMP)],
     cmdclass={"build_ext": BuildExtension},

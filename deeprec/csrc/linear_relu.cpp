@@ -16,16 +16,12 @@
 #include <torch/autograd.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+
+#include "clones.h"
 #include <ATen/autocast_mode.h>
 
 namespace deeprec {
 namespace {
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define DEEPREC_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define DEEPREC_CLONES
-#endif
 
 // rows of y += bias, then max(., 0) keeping NaN (what relu does): one read and one write of y.
 DEEPREC_CLONES void add_bias_relu_rows(float* __restrict y, const float* __restrict bias, int64_t rows, int64_t cols) {

@@ -21,17 +21,13 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "clones.h"
+
 #include <algorithm>
 #include <vector>
 
 namespace deeprec {
 namespace {
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define DEEPREC_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define DEEPREC_CLONES
-#endif
 
 // 16 floats: one AVX-512 register; GCC/clang lower it to two AVX2 or four SSE registers.
 typedef float v16 __attribute__((vector_size(64)));
