@@ -16,9 +16,9 @@
 #include <torch/autograd.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/autocast_mode.h>
 
 #include "clones.h"
-#include <ATen/autocast_mode.h>
 
 namespace deeprec {
 namespace {
