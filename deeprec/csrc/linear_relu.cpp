@@ -46,7 +46,7 @@ void check(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias
 
 at::Tensor linear_relu_kernel(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   check(x, weight, bias);
-  if (!x.device().is_cpu() || x.scalar_type() != at::kFloat) {
+  if (x.scalar_type() != at::kFloat) {  // (a CPU kernel only: the op composes on other devices)
     // bf16 / half: addmm adds the bias to the float32 sums before rounding, as F.linear does (the
     // sum rounded first, then the bias, would round twice); the ReLU in place
     return at::addmm(bias, x, weight.t()).relu_();

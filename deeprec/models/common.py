@@ -27,7 +27,7 @@ def linear_then_relu(x: torch.Tensor, linear: nn.Linear, relu: nn.Module) -> tor
     """relu(linear(x)) through `deeprec.ops.step.linear_relu` (one op where a backward is made); through
     the modules themselves where one has a hook, so hooks registered on the layers still run. One graph
     node when traced, deciding when called (a hook registered after `dr.optimize` still counts)."""
-    if linear.bias is None or _hooked(linear) or _hooked(relu):
+    if _hooked(linear) or _hooked(relu):  # (no bias: linear_relu composes)
         return relu(linear(x))
     return linear_relu(x, linear.weight, linear.bias)
 

@@ -63,9 +63,8 @@ def linear_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     (the bias added after the sum, not first). Elsewhere it is the composition: evaluation and an
     exported program (which score alike, bit for bit, as before), torch.compile (which fuses it
     itself), bf16 autocast (where the op measured 0.97x: addmm adds the bias in float32 there)."""
-    if (bias is None or x.dim() != 2 or x.device.type != "cpu" or torch.compiler.is_compiling()
-            or torch.compiler.is_exporting()
-            or torch.is_autocast_enabled("cpu") or x.dtype != torch.float32
+    if (bias is None or x.dim() != 2 or x.device.type != "cpu" or x.dtype != torch.float32
+            or torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.is_autocast_enabled("cpu")
             or not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad))):
         return torch.relu(torch.nn.functional.linear(x, weight, bias))
     return torch.ops.deeprec.linear_relu(x, weight, bias)
